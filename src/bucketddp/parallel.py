@@ -1,0 +1,159 @@
+"""BucketDataParallel: a drop-in for torch's DistributedDataParallel in a hand-written loop."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .buckets import BucketPlan
+from .buffers import BufferSync, Policy
+from .comm import broadcast_coalesced, verify_same_model
+from .reducer import CommStats, Reducer
+
+log = logging.getLogger(__name__)
+
+
+class BucketDataParallel(nn.Module):
+    """Data-parallel training with a bucketed gradient reducer that overlaps backward.
+
+    Wrap a module exactly as you would with ``torch.nn.parallel.DistributedDataParallel``:
+    the gradients after ``backward()`` are the average over ranks, the parameters and
+    buffers start from rank 0's values, and ``state_dict()`` keys carry a ``module.``
+    prefix.
+
+    Args:
+        module: the model, already on its device; the same model on every rank.
+        process_group: the group to reduce over; the default group if None.
+        bucket_cap_mb: a bucket is launched once it holds this many MB of gradients.
+        first_bucket_mb: the cap of the first bucket, kept small so that communication
+            starts early in backward.
+        find_unused_parameters: allow parameters that get no gradient in a step (control
+            flow, frozen branches). Without it such a step raises an error naming them.
+        gradient_as_bucket_view: make each ``param.grad`` a view into its bucket, saving
+            a copy and the memory of a second gradient buffer.
+        broadcast_buffers: torch DDP's switch; False is the same as
+            ``default_buffer_policy="none"``.
+        buffer_sync: a policy per buffer name or fnmatch pattern (see ``docs/buffers.md``).
+        default_buffer_policy: the policy of buffers no rule names.
+
+    Raises:
+        RuntimeError: when no process group is initialized, or the ranks' models differ.
+        ValueError: on bad bucket sizes or buffer policies.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = True,
+        broadcast_buffers: bool = True,
+        buffer_sync: Mapping[str, Policy] | None = None,
+        default_buffer_policy: Policy | None = None,
+    ) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "BucketDataParallel needs a process group: call "
+                "torch.distributed.init_process_group() before wrapping the model"
+            )
+        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+            raise ValueError(
+                f"bucket_cap_mb ({bucket_cap_mb}) and first_bucket_mb ({first_bucket_mb}) "
+                "must be positive"
+            )
+        if default_buffer_policy is None:
+            default_buffer_policy = "broadcast" if broadcast_buffers else "none"
+        elif not broadcast_buffers and default_buffer_policy != "none":
+            raise ValueError(
+                f"broadcast_buffers=False contradicts default_buffer_policy="
+                f"{default_buffer_policy!r}; pass only one of them"
+            )
+        self.module = module
+        self.process_group = process_group
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+
+        verify_same_model(_signature(module), process_group)
+        # Policies are resolved before any broadcast, so a bad rule fails on every rank alike.
+        self.buffers_sync = BufferSync(
+            module, process_group=process_group, rules=buffer_sync, default=default_buffer_policy
+        )
+        if dist.get_world_size(process_group) > 1:
+            broadcast_coalesced(
+                [*module.parameters(), *module.buffers()], process_group
+            )
+        self.buffers_sync.reset_baseline()
+        self.reducer = Reducer(
+            [(n, p) for n, p in module.named_parameters() if p.requires_grad],
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+        )
+        # torch DDP's rule: buffers are synced before a forward that follows a synced,
+        # grad-enabled forward (and before the very first one).
+        self._sync_buffers_next = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Sync buffers when due, then run the wrapped module."""
+        if self._sync_buffers_next:
+            self.buffers_sync.sync()
+        self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next synced backward reduces the sum."""
+        before = self.reducer.sync_enabled
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = before
+
+    @property
+    def bucket_plan(self) -> BucketPlan:
+        """The buckets in launch order (names, numel, nbytes, dtype per bucket)."""
+        return self.reducer.plan
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Collectives, bytes reduced and end-of-backward wait of the last synced step."""
+        return self.reducer.stats
+
+    @property
+    def bucket_order(self) -> list[str] | None:
+        """The learned gradient-ready order (for checkpoints), or None if not learned yet."""
+        return self.reducer.learned_order
+
+    def load_bucket_order(self, order: Sequence[str]) -> bool:
+        """Adopt a learned order from a checkpoint; False if the parameter set differs."""
+        return self.reducer.load_order(order)
+
+    def sync_buffers(self) -> int:
+        """Apply every buffer policy now; returns the collectives it took."""
+        return self.buffers_sync.sync()
+
+    def remove_hooks(self) -> None:
+        """Detach the reducer's hooks, leaving ``.module`` a plain module."""
+        self.reducer.remove()
+
+
+def _signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
+    sig = [
+        ("parameter" if p.requires_grad else "frozen parameter", n, tuple(p.shape), str(p.dtype))
+        for n, p in module.named_parameters()
+    ]
+    sig += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+    return sig

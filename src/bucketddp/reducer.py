@@ -1,0 +1,359 @@
+"""The reducer: gradient hooks, bucket storage and the collectives in flight.
+
+Each trainable parameter gets a post-accumulate-grad hook. When the last gradient of a
+bucket arrives, the bucket's all-reduce is launched asynchronously, strictly in plan
+order so every rank issues the same collectives in the same sequence. A callback queued
+on the autograd engine runs at the end of backward: it settles parameters that got no
+gradient, waits for the work, averages, and checks.
+
+The last bucket in plan order carries one extra element per parameter. It is how ranks
+agree, without a collective of its own, on which parameters got a gradient anywhere:
+for ``find_unused_parameters=False`` it counts the ranks on which a parameter was missing
+(any positive count is an error on every rank, never a hang), for ``True`` it counts the
+ranks on which the parameter was used (zero means globally unused: its ``.grad`` is left
+untouched, as torch DDP does).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+
+from .buckets import MB, BucketPlan, ParamInfo, plan_buckets
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CommStats:
+    """Figures of the last synced backward pass."""
+
+    collectives: int = 0
+    """All-reduces launched for gradient buckets."""
+    bytes_reduced: int = 0
+    """Bytes of gradient (and bookkeeping) all-reduced."""
+    wait_seconds: float = 0.0
+    """Time spent at the end of backward waiting for communication to finish."""
+    buckets: int = 0
+    """Buckets in the plan used for the step."""
+
+
+class _Bucket:
+    """Runtime state of one planned bucket."""
+
+    __slots__ = ("flags", "grads", "members", "pending", "spec_numel", "storage", "work")
+
+    def __init__(self, storage: torch.Tensor, numel: int, members: list[int]) -> None:
+        self.storage = storage
+        self.spec_numel = numel
+        self.grads = storage[:numel]
+        self.flags: torch.Tensor | None = storage[numel:] if storage.numel() > numel else None
+        self.members = members
+        self.pending = len(members)
+        self.work: dist.Work | None = None
+
+
+class Reducer:
+    """Owns the hooks, the bucket storage and the in-flight collectives of one model."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        *,
+        process_group: dist.ProcessGroup | None,
+        bucket_cap_mb: float,
+        first_bucket_mb: float,
+        find_unused_parameters: bool,
+        gradient_as_bucket_view: bool,
+    ) -> None:
+        if not named_params:
+            raise ValueError(
+                "BucketDataParallel needs at least one parameter with requires_grad=True; "
+                "the module has none to reduce"
+            )
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.sync_enabled = True
+        self.stats = CommStats()
+        # With one rank there is nothing to reduce: no storage, no copies, hooks only check.
+        self._communicates = self.world_size > 1
+
+        self._names = [n for n, _ in named_params]
+        self._params = [p for _, p in named_params]
+        self._index = {n: i for i, n in enumerate(self._names)}
+        self._infos = [
+            ParamInfo(n, p.numel(), p.dtype, p.device) for n, p in named_params
+        ]
+        self._cap_bytes = int(bucket_cap_mb * MB)
+        self._first_cap_bytes = int(first_bucket_mb * MB)
+
+        n = len(self._params)
+        self._ready = [False] * n  # got its gradient in the current backward
+        self._n_ready = 0
+        self._used = [False] * n  # got a gradient since the last synced backward
+        self._observed: list[int] | None = []  # ready order of the first backward
+        self._queued = False
+        self._next = 0  # next bucket to launch, in plan order
+
+        self.plan = plan_buckets(
+            self._infos, cap_bytes=self._cap_bytes, first_cap_bytes=self._first_cap_bytes
+        )
+        self._install(self.plan)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self._params)
+        ]
+
+    # ----------------------------------------------------------------- plan and storage
+    def _install(self, plan: BucketPlan) -> None:
+        """Allocate bucket storage for ``plan`` and move any existing gradients into it."""
+        n = len(self._params)
+        buckets: list[_Bucket] = []
+        views: list[torch.Tensor] = [torch.empty(0)] * n
+        bucket_of: list[_Bucket] = [None] * n  # type: ignore[list-item]
+        for k, spec in enumerate(plan if self._communicates else ()):
+            extra = n if k == len(plan) - 1 else 0
+            storage = torch.zeros(spec.numel + extra, dtype=spec.dtype, device=spec.device)
+            members = [self._index[name] for name in spec.names]
+            bucket = _Bucket(storage, spec.numel, members)
+            offset = 0
+            for i in members:
+                p = self._params[i]
+                views[i] = storage[offset : offset + p.numel()].view(p.shape)
+                bucket_of[i] = bucket
+                offset += p.numel()
+            buckets.append(bucket)
+        for i, p in enumerate(self._params):
+            if p.grad is not None and self._communicates:
+                views[i].copy_(p.grad)
+                if self.gradient_as_bucket_view:
+                    p.grad = views[i]
+        self._buckets = buckets
+        self._views = views
+        self._bucket_of = bucket_of
+        self.plan = plan
+        if self.rank == 0:
+            log.debug("bucketddp plan: %s", plan.describe())
+
+    @property
+    def learned_order(self) -> list[str] | None:
+        """The ready order learned from the first backward, or None before it is known."""
+        return list(self.plan.order) if self.plan.learned else None
+
+    def load_order(self, order: Sequence[str]) -> bool:
+        """Adopt a previously learned order; False (and keep learning) if the params differ."""
+        if set(order) != set(self._names) or len(order) != len(self._names):
+            return False
+        self._install(
+            plan_buckets(
+                self._infos,
+                cap_bytes=self._cap_bytes,
+                first_cap_bytes=self._first_cap_bytes,
+                order=order,
+            )
+        )
+        self._observed = None
+        return True
+
+    def _rebuild_from_observed(self) -> None:
+        """Replace the initial plan by one built from rank 0's observed ready order."""
+        assert self._observed is not None
+        order = [self._names[i] for i in self._observed]
+        self._observed = None
+        if self.world_size > 1:
+            box: list[object] = [order]
+            dist.broadcast_object_list(box, src=self._global_rank(0), group=self.process_group)
+            order = box[0]  # type: ignore[assignment]
+        plan = plan_buckets(
+            self._infos, cap_bytes=self._cap_bytes, first_cap_bytes=self._first_cap_bytes,
+            order=order,
+        )
+        if [b.names for b in plan] == [b.names for b in self.plan]:
+            self.plan = plan  # same buckets: keep the storage, remember the order
+        else:
+            self._install(plan)
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.process_group is None:
+            return group_rank
+        return dist.get_global_rank(self.process_group, group_rank)
+
+    # ----------------------------------------------------------------------- hooks
+    def _make_hook(self, i: int):  # type: ignore[no-untyped-def]
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(i, param)
+
+        return hook
+
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._finalize)
+        if self._ready[i]:
+            raise RuntimeError(
+                f"parameter {self._names[i]!r} received a gradient twice in one backward pass; "
+                "bucketddp supports one gradient per parameter per backward "
+                "(reentrant checkpointing is not supported: use use_reentrant=False)"
+            )
+        self._ready[i] = True
+        self._n_ready += 1
+        self._used[i] = True
+        if self._observed is not None:
+            self._observed.append(i)
+        if not self.sync_enabled or not self._communicates:
+            return
+        self._fill_slot(i, param.grad)
+        bucket = self._bucket_of[i]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready()
+
+    def _fill_slot(self, i: int, grad: torch.Tensor | None) -> None:
+        """Make bucket slot ``i`` hold the parameter's current gradient."""
+        view = self._views[i]
+        if grad is view:
+            return
+        if grad is None:
+            view.zero_()
+            return
+        if grad.layout != torch.strided:
+            raise RuntimeError(
+                f"parameter {self._names[i]!r} has a {grad.layout} gradient; bucketddp reduces "
+                "dense gradients only (for nn.Embedding, pass sparse=False)"
+            )
+        view.copy_(grad)
+        if self.gradient_as_bucket_view:
+            self._params[i].grad = view
+
+    def _launch_ready(self) -> None:
+        """Launch every bucket whose turn has come, in plan order."""
+        buckets = self._buckets
+        while self._next < len(buckets) and buckets[self._next].pending == 0:
+            bucket = buckets[self._next]
+            if bucket.flags is not None:
+                self._write_flags(bucket.flags)
+            bucket.work = dist.all_reduce(bucket.storage, group=self.process_group, async_op=True)
+            self._next += 1
+
+    def _write_flags(self, flags: torch.Tensor) -> None:
+        n = len(self._params)
+        if self.find_unused_parameters:
+            if all(self._used):
+                flags.fill_(1)
+            else:
+                flags.copy_(torch.tensor(self._used, dtype=flags.dtype))
+        elif self._n_ready == n:
+            flags.zero_()
+        else:
+            flags.copy_(torch.tensor([not r for r in self._ready], dtype=flags.dtype))
+
+    # --------------------------------------------------------------- end of backward
+    def _finalize(self) -> None:
+        """Runs once at the end of each backward pass that touched a parameter."""
+        self._queued = False
+        if not self.sync_enabled:
+            self._reset_step()
+            return
+        try:
+            error = self._reduce() if self._communicates else self._check_local()
+        finally:
+            self._reset_step()
+            self._used = [False] * len(self._used)
+        if error is not None:
+            raise RuntimeError(error)
+        if self._observed is not None:
+            self._rebuild_from_observed()
+
+    def _check_local(self) -> str | None:
+        """World size 1: nothing to reduce, only the unused-parameter contract to keep."""
+        if self.find_unused_parameters or self._n_ready == len(self._ready):
+            return None
+        return self._missing_message([not r for r in self._ready])
+
+    def _reduce(self) -> str | None:
+        locally_missing = [i for i, r in enumerate(self._ready) if not r]
+        for i in locally_missing:
+            grad = self._params[i].grad
+            if grad is None:
+                self._views[i].zero_()
+            elif grad is not self._views[i]:
+                self._views[i].copy_(grad)
+            self._bucket_of[i].pending -= 1
+        self._launch_ready()
+
+        start = time.perf_counter()
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+        waited = time.perf_counter() - start
+        for bucket in self._buckets:
+            bucket.grads.div_(self.world_size)
+        self.stats = CommStats(
+            collectives=len(self._buckets),
+            bytes_reduced=sum(b.storage.numel() * b.storage.element_size() for b in self._buckets),
+            wait_seconds=waited,
+            buckets=len(self._buckets),
+        )
+
+        flags = self._buckets[-1].flags
+        assert flags is not None
+        if not self.find_unused_parameters:
+            if locally_missing or bool(flags.any()):
+                return self._missing_message([c > 0 for c in flags.tolist()])
+            if not self.gradient_as_bucket_view:
+                self._copy_back()
+            return None
+        used_anywhere = [c > 0 for c in flags.tolist()]
+        if self.gradient_as_bucket_view:
+            # A parameter unused here but used elsewhere takes the averaged gradient.
+            for i in locally_missing:
+                if used_anywhere[i] and self._params[i].grad is not self._views[i]:
+                    self._params[i].grad = self._views[i]
+        else:
+            self._copy_back(used_anywhere)
+        return None
+
+    def _copy_back(self, used_anywhere: list[bool] | None = None) -> None:
+        """gradient_as_bucket_view=False: write the averages into the .grad tensors."""
+        for i, p in enumerate(self._params):
+            if used_anywhere is not None and not used_anywhere[i]:
+                continue  # globally unused: grad left untouched, as torch DDP does
+            if p.grad is None:
+                p.grad = self._views[i].clone()
+            else:
+                p.grad.copy_(self._views[i])
+
+    def _missing_message(self, missing_flags: list[bool]) -> str:
+        missing = [n for n, m in zip(self._names, missing_flags, strict=True) if m]
+        shown = missing[:10] + (["..."] if len(missing) > 10 else [])
+        return (
+            f"BucketDataParallel: parameters {shown} received no gradient in this backward "
+            "pass on at least one rank, so their gradients cannot be reduced. Pass "
+            "find_unused_parameters=True, or make every parameter contribute to the loss on "
+            "every rank."
+        )
+
+    def _reset_step(self) -> None:
+        n = len(self._ready)
+        self._ready = [False] * n
+        self._n_ready = 0
+        self._next = 0
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.members)
+
+    def remove(self) -> None:
+        """Detach the hooks; the parameters keep their current gradients."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,158 @@
+"""The one helper every distributed test uses: run a function on N gloo ranks.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, joins them in a real
+gloo process group on a free loopback port, calls ``fn(rank, world_size, *args)`` on each
+and returns the per-rank results in rank order. A rank that raises fails the call with that
+rank's traceback; a run that outlives ``timeout`` seconds is killed and fails with the list
+of ranks still running, so a hang in the code under test shows up as a test failure.
+
+Processes come from a forkserver that has torch preloaded, so a rank starts in a fraction
+of a second instead of re-importing torch.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "bucketddp"])
+
+
+class RankError(AssertionError):
+    """A rank raised; the message carries its traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout: float,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    conn: Any,
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        result = fn(rank, world_size, *args)
+        conn.send(("ok", _to_bytes(result)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 90.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``fn`` must be importable (a module-level function). Results travel through
+    ``torch.save``, so tensors, dicts and lists come back as they were.
+    """
+    port = free_port()
+    pipes = [_CTX.Pipe(duplex=False) for _ in range(world_size)]
+    procs = [
+        _CTX.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, timeout, args, env or {}, pipes[rank][1]),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    for _, send in pipes:
+        send.close()
+
+    deadline = time.monotonic() + timeout
+    results: dict[int, tuple[str, Any]] = {}
+    try:
+        while len(results) < world_size:
+            for rank, (recv, _) in enumerate(pipes):
+                if rank in results:
+                    continue
+                if recv.poll(0.01):
+                    try:
+                        results[rank] = recv.recv()
+                    except EOFError:
+                        code = procs[rank].exitcode
+                        results[rank] = ("error", f"rank {rank} died (exit code {code})")
+            errors = {r: msg for r, (kind, msg) in results.items() if kind == "error"}
+            if errors and len(results) < world_size:
+                # Give the other ranks a moment to report their own errors, then stop.
+                grace = time.monotonic() + 5.0
+                while len(results) < world_size and time.monotonic() < grace:
+                    for rank, (recv, _) in enumerate(pipes):
+                        if rank not in results and recv.poll(0.05):
+                            try:
+                                results[rank] = recv.recv()
+                            except EOFError:
+                                results[rank] = ("error", f"rank {rank} died")
+                break
+            if time.monotonic() > deadline:
+                running = [r for r in range(world_size) if r not in results]
+                raise TimeoutError(
+                    f"{fn.__name__} on {world_size} ranks did not finish within {timeout:.0f}s; "
+                    f"ranks still running: {running}"
+                )
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    errors = {r: msg for r, (kind, msg) in results.items() if kind == "error"}
+    if errors:
+        first = min(errors)
+        raise RankError(f"rank {first} of {world_size} raised:\n{errors[first]}")
+    if len(results) < world_size:
+        missing = [r for r in range(world_size) if r not in results]
+        raise RankError(f"ranks {missing} ended without a result")
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
