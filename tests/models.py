@@ -1,0 +1,152 @@
+"""Small models and a training loop shared by the engine tests.
+
+Every model is built from a fixed seed, and every batch is a function of (step, rank), so
+two systems trained in the same process group see identical inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU()
+        )
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+class TiedLM(nn.Module):
+    """Embedding and output layer share one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.mix = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 20, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(self.emb(x)))).mean(dim=1)
+
+
+class Frozen(MLP):
+    """The first layer is frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for p in self.net[0].parameters():
+            p.requires_grad_(False)
+
+
+class MixedDtype(nn.Module):
+    """A float64 submodule beside float32 ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(10, 16)
+        self.b = nn.Linear(16, 16).double()
+        self.c = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x)).double()
+        return self.c(torch.relu(self.b(h)).float())
+
+
+class Branchy(nn.Module):
+    """Control flow picks a branch per call; ``never`` is used by no rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(10, 16)
+        self.left = nn.Linear(16, 16)
+        self.right = nn.Linear(16, 16)
+        self.never = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, use_left: bool = True) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        h = self.left(h) if use_left else self.right(h)
+        return self.head(torch.relu(h))
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "mlp": MLP,
+    "conv": ConvNet,
+    "tied": TiedLM,
+    "frozen": Frozen,
+    "mixed": MixedDtype,
+    "branchy": Branchy,
+}
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def batch(name: str, step: int, rank: int, size: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if name == "conv":
+        x = torch.randn(size, 3, 8, 8, generator=g)
+    elif name == "tied":
+        x = torch.randint(0, 20, (size, 5), generator=g)
+        return x, torch.randn(size, 20, generator=g)
+    else:
+        x = torch.randn(size, 10, generator=g)
+    return x, torch.randn(size, 4, generator=g)
+
+
+def train(
+    name: str,
+    wrap: Callable[[nn.Module], nn.Module],
+    rank: int,
+    *,
+    steps: int = 4,
+    accumulate: int = 1,
+    set_to_none: bool = True,
+    branch: Callable[[int, int], bool] | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` SGD-momentum steps through ``wrap(model)``; return the final state."""
+    model = build(name)
+    wrapped = wrap(model)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05,
+                          momentum=0.9)
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = batch(name, step * accumulate + micro, rank)
+            last = micro == accumulate - 1
+            ctx = contextlib.nullcontext() if last else wrapped.no_sync()  # type: ignore[operator]
+            with ctx:
+                kwargs = {"use_left": branch(rank, step)} if branch else {}
+                loss = F.mse_loss(wrapped(x, **kwargs), y)
+                loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "wrapped": wrapped,
+    }

@@ -1,0 +1,315 @@
+"""BucketDataParallel against torch's DistributedDataParallel on real gloo process groups."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from models import batch, build, train
+from multirank import RankError, run_ranks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bucketddp import BucketDataParallel
+
+TINY = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005}  # ~500 and ~130 floats
+
+
+def _compare(rank: int, world: int, name: str, opts: dict[str, Any], kw: dict[str, Any]) -> Any:
+    """Train the same model with both systems in one group; return both final states."""
+    torch_opts = {
+        k: v for k, v in opts.items() if k in ("find_unused_parameters", "gradient_as_bucket_view")
+    }
+    ours = train(name, partial(BucketDataParallel, **opts), rank, **kw)
+    theirs = train(name, partial(DDP, **torch_opts), rank, **kw)
+    plan = [b.names for b in ours["wrapped"].bucket_plan]
+    return {
+        "ours": ours["params"],
+        "theirs": theirs["params"],
+        "ours_buf": ours["buffers"],
+        "theirs_buf": theirs["buffers"],
+        "plan": plan,
+    }
+
+
+def _assert_same(results: list[dict[str, Any]], tol: float = 1e-6) -> None:
+    for rank, r in enumerate(results):
+        assert r["ours"].keys() == r["theirs"].keys()
+        for n in r["theirs"]:
+            diff = (r["ours"][n] - r["theirs"][n]).abs().max().item()
+            assert diff <= tol, f"rank {rank} parameter {n}: differs from torch DDP by {diff}"
+        for n in r["theirs_buf"]:
+            assert torch.equal(r["ours_buf"][n], r["theirs_buf"][n]), f"buffer {n} differs"
+    # Every rank ends with the same weights and the same plan.
+    for r in results[1:]:
+        for n in r["ours"]:
+            assert torch.equal(r["ours"][n], results[0]["ours"][n])
+        assert r["plan"] == results[0]["plan"]
+
+
+def _left_on_even(rank: int, step: int) -> bool:
+    return (rank + step) % 2 == 0
+
+
+def _right_only_early_on_rank1(rank: int, step: int) -> bool:
+    # "right" is used by rank 1 in steps 0-1, then by no rank: its gradient must stay None
+    # (so momentum SGD skips it), as torch DDP leaves globally unused gradients untouched.
+    return rank == 0 or step >= 2
+
+
+CASES = {
+    "mlp": ("mlp", {}, {}),
+    "conv": ("conv", {}, {}),
+    "tied": ("tied", {}, {}),
+    "frozen": ("frozen", {}, {}),
+    "mixed_dtype": ("mixed", TINY, {}),
+    "tiny_buckets": ("mlp", TINY, {}),
+    "no_view": ("mlp", {"gradient_as_bucket_view": False}, {}),
+    "zero_grad_keep": ("conv", TINY, {"set_to_none": False}),
+    "no_sync_accumulation": ("mlp", TINY, {"accumulate": 3}),
+    "unused_by_rank": ("branchy", {"find_unused_parameters": True, **TINY}, {"branch": _left_on_even}),
+    "unused_later_globally": (
+        "branchy",
+        {"find_unused_parameters": True, **TINY},
+        {"branch": _right_only_early_on_rank1},
+    ),
+    "unused_by_rank_no_view": (
+        "branchy",
+        {"find_unused_parameters": True, "gradient_as_bucket_view": False},
+        {"branch": _left_on_even},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_torch_ddp(case: str) -> None:
+    name, opts, kw = CASES[case]
+    _assert_same(run_ranks(_compare, 2, name, opts, kw))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_matches_torch_ddp_other_world_sizes(world: int) -> None:
+    _assert_same(run_ranks(_compare, world, "mlp", TINY, {}))
+
+
+def test_weights_actually_move() -> None:
+    """Guards the comparisons above: a few steps change every trainable parameter."""
+    start = build("branchy")
+    out = train("branchy", lambda m: m, 0, steps=3)["params"]
+    for n, p in start.named_parameters():
+        if not n.startswith("never") and not n.startswith("right"):
+            assert not torch.equal(p, out[n]), n
+
+
+def _single_process_reference(steps: int, world: int) -> dict[str, torch.Tensor]:
+    model = build("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        xs, ys = zip(*(batch("mlp", step, r) for r in range(world)), strict=True)
+        loss = F.mse_loss(model(torch.cat(xs)), torch.cat(ys))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _ours_only(rank: int, world: int) -> dict[str, torch.Tensor]:
+    return train("mlp", partial(BucketDataParallel, **TINY), rank)["params"]
+
+
+def test_matches_single_process_on_global_batch() -> None:
+    results = run_ranks(_ours_only, 2)
+    expected = _single_process_reference(4, 2)
+    for r in results:
+        for n, p in expected.items():
+            assert torch.allclose(r[n], p, atol=1e-6, rtol=0), n
+
+
+def _views_and_plan(rank: int, world: int, set_to_none: bool) -> dict[str, Any]:
+    model = build("mixed")
+    ddp = BucketDataParallel(model, **TINY)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    storages = []
+    for step in range(3):
+        x, y = batch("mixed", step, rank)
+        F.mse_loss(ddp(x), y).backward()
+        # After the first step the plan is rebuilt; the views must follow the new storage.
+        storages.append(
+            {
+                n: p.grad.untyped_storage().data_ptr()
+                for n, p in model.named_parameters()
+                if p.grad is not None
+            }
+        )
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    reducer = ddp.reducer
+    bucket_ptrs = {b.storage.untyped_storage().data_ptr() for b in reducer._buckets}
+    plan = ddp.bucket_plan
+    return {
+        "last": storages[-1],
+        "bucket_ptrs": bucket_ptrs,
+        "n_params": sum(1 for p in model.parameters()),
+        "plan": [(b.names, b.numel, b.nbytes, b.dtype) for b in plan],
+        "learned": plan.learned,
+    }
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_grads_are_bucket_views(set_to_none: bool) -> None:
+    for r in run_ranks(_views_and_plan, 2, set_to_none):
+        assert len(r["last"]) == r["n_params"]
+        assert set(r["last"].values()) <= r["bucket_ptrs"]
+        assert r["learned"]
+        for names, numel, nbytes, dtype in r["plan"]:
+            assert names and numel > 0
+            assert nbytes == numel * torch.empty((), dtype=dtype).element_size()
+        # Buckets never mix dtypes: float64 params sit in float64 buckets only.
+        dtypes = {n: dt for names, _, _, dt in r["plan"] for n in names}
+        assert all(dt == torch.float64 for n, dt in dtypes.items() if n.startswith("b."))
+        assert all(dt == torch.float32 for n, dt in dtypes.items() if not n.startswith("b."))
+
+
+def _count_collectives(rank: int, world: int) -> dict[str, Any]:
+    model = build("mlp")
+    ddp = BucketDataParallel(model, **TINY)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counts = []
+    for step in range(4):
+        x, y = batch("mlp", step, rank)
+        with torch.profiler.profile() as prof:
+            F.mse_loss(ddp(x), y).backward()
+        counts.append(sum(1 for e in prof.events() if e.name.startswith("c10d::")))
+        opt.step()
+        opt.zero_grad()
+    return {"counts": counts, "buckets": len(ddp.bucket_plan), "stats": ddp.comm_stats}
+
+
+def test_one_collective_per_bucket_per_step() -> None:
+    for r in run_ranks(_count_collectives, 2):
+        assert r["buckets"] >= 3
+        # Step 0 also broadcasts rank 0's learned order once; steps after it reduce only.
+        assert r["counts"][1:] == [r["buckets"]] * 3
+        assert r["stats"].collectives == r["buckets"]
+        assert r["stats"].bytes_reduced > 0
+        assert r["stats"].wait_seconds >= 0
+
+
+def _plans_agree_despite_different_orders(rank: int, world: int) -> list[tuple[str, ...]]:
+    model = build("branchy")
+    ddp = BucketDataParallel(model, find_unused_parameters=True, **TINY)
+    x, y = batch("branchy", 0, rank)
+    F.mse_loss(ddp(x, use_left=rank == 0), y).backward()
+    return [b.names for b in ddp.bucket_plan]
+
+
+def test_rank0_order_wins_when_ranks_observe_different_orders() -> None:
+    plans = run_ranks(_plans_agree_despite_different_orders, 2)
+    assert plans[0] == plans[1]
+    # Rank 0 used "left": its order puts left's gradients before right's (unused there).
+    order = [n for names in plans[0] for n in names]
+    assert order.index("left.weight") < order.index("right.weight")
+
+
+def _unused_error(rank: int, world: int) -> dict[str, Any]:
+    model = build("branchy")
+    ddp = BucketDataParallel(model, **TINY)
+    x, y = batch("branchy", 0, rank)
+    start = time.monotonic()
+    try:
+        # Rank 1 takes the other branch, so "left" gets no gradient there.
+        F.mse_loss(ddp(x, use_left=rank == 0), y).backward()
+    except RuntimeError as e:
+        message = str(e)
+    else:
+        message = ""
+    elapsed = time.monotonic() - start
+    # The reducer must be usable again after the error: a clean step goes through.
+    ddp_ok = BucketDataParallel(build("mlp"))
+    xm, ym = batch("mlp", 0, rank)
+    F.mse_loss(ddp_ok(xm), ym).backward()
+    return {"message": message, "elapsed": elapsed}
+
+
+def test_unused_parameter_error_is_prompt_and_on_every_rank() -> None:
+    for r in run_ranks(_unused_error, 2, timeout=30):
+        assert "find_unused_parameters=True" in r["message"]
+        assert "'left.weight'" in r["message"] and "'never.weight'" in r["message"]
+        assert r["elapsed"] < 5.0
+
+
+def _mismatch(rank: int, world: int) -> str:
+    model = build("mlp") if rank == 0 else build("frozen")
+    try:
+        BucketDataParallel(model)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_model_mismatch_raises_on_every_rank() -> None:
+    messages = run_ranks(_mismatch, 2, timeout=30)
+    for m in messages:
+        assert "rank 1 differs from rank 0" in m
+        assert "net.0.weight" in m
+    assert messages[0] == messages[1]
+
+
+def _shape_mismatch(rank: int, world: int) -> str:
+    model = torch.nn.Linear(4, 3 + rank)
+    try:
+        BucketDataParallel(model)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_shape_mismatch_names_parameter() -> None:
+    for m in run_ranks(_shape_mismatch, 2, timeout=30):
+        assert "'weight'" in m and "[3, 4]" in m and "[4, 4]" in m
+
+
+def _initial_broadcast(rank: int, world: int) -> torch.Tensor:
+    torch.manual_seed(rank)  # a different init on every rank
+    model = torch.nn.Linear(4, 3)
+    BucketDataParallel(model)
+    return model.weight.detach().clone()
+
+
+def test_parameters_start_from_rank0() -> None:
+    weights = run_ranks(_initial_broadcast, 3)
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(4, 3).weight.detach()
+    for w in weights:
+        assert torch.equal(w, expected)
+
+
+def test_requires_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        BucketDataParallel(torch.nn.Linear(2, 2))
+
+
+def test_bad_bucket_size_is_rejected() -> None:
+    with pytest.raises(RankError, match="bucket_cap_mb"):
+        run_ranks(_bad_cap, 2, timeout=30)
+
+
+def _bad_cap(rank: int, world: int) -> None:
+    BucketDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=0)
+
+
+def test_import_does_not_pull_lightning() -> None:
+    code = (
+        "import sys, bucketddp; "
+        "assert not any(m == 'lightning' or m.startswith(('lightning.', 'pytorch_lightning')) "
+        "for m in sys.modules), sorted(m for m in sys.modules if 'lightning' in m)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
