@@ -132,8 +132,7 @@ def train(
     """Train ``steps`` SGD-momentum steps through ``wrap(model)``; return the final state."""
     model = build(name)
     wrapped = wrap(model)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05,
-                          momentum=0.9)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     for step in range(steps):
         for micro in range(accumulate):
             x, y = batch(name, step * accumulate + micro, rank)

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from models import batch, build, train
-from multirank import RankError, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
+from models import batch, build, train
+from multirank import RankError, run_ranks
 
 TINY = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005}  # ~500 and ~130 floats
 
@@ -73,7 +73,11 @@ CASES = {
     "no_view": ("mlp", {"gradient_as_bucket_view": False}, {}),
     "zero_grad_keep": ("conv", TINY, {"set_to_none": False}),
     "no_sync_accumulation": ("mlp", TINY, {"accumulate": 3}),
-    "unused_by_rank": ("branchy", {"find_unused_parameters": True, **TINY}, {"branch": _left_on_even}),
+    "unused_by_rank": (
+        "branchy",
+        {"find_unused_parameters": True, **TINY},
+        {"branch": _left_on_even},
+    ),
     "unused_later_globally": (
         "branchy",
         {"find_unused_parameters": True, **TINY},

@@ -138,7 +138,7 @@ def plan_buckets(
             started[key] = started.get(key, 0) + 1
             del open_[key]
             open_bytes[key] = 0
-    for key, members in open_.items():
+    for members in open_.values():
         groups.append((full_order.index(members[-1]), members))
     groups.sort(key=lambda g: g[0])
 

@@ -24,9 +24,7 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _apply_flat(
-    tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], None]
-) -> int:
+def _apply_flat(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], None]) -> int:
     """Run ``collective`` on one flat copy per dtype group and write results back."""
     count = 0
     for group in _by_dtype(tensors):
@@ -85,7 +83,7 @@ def verify_same_model(
             )
 
 
-def _first_difference(ref: list, other: list) -> str | None:  # type: ignore[type-arg]
+def _first_difference(ref: list, other: list) -> str | None:
     for (kind, name, shape, dtype), theirs in zip(ref, other, strict=False):
         t_kind, t_name, t_shape, t_dtype = theirs
         if (kind, name) != (t_kind, t_name):

@@ -89,9 +89,7 @@ class BucketDataParallel(nn.Module):
             module, process_group=process_group, rules=buffer_sync, default=default_buffer_policy
         )
         if dist.get_world_size(process_group) > 1:
-            broadcast_coalesced(
-                [*module.parameters(), *module.buffers()], process_group
-            )
+            broadcast_coalesced([*module.parameters(), *module.buffers()], process_group)
         self.buffers_sync.reset_baseline()
         self.reducer = Reducer(
             [(n, p) for n, p in module.named_parameters() if p.requires_grad],

@@ -91,9 +91,7 @@ class Reducer:
         self._names = [n for n, _ in named_params]
         self._params = [p for _, p in named_params]
         self._index = {n: i for i, n in enumerate(self._names)}
-        self._infos = [
-            ParamInfo(n, p.numel(), p.dtype, p.device) for n, p in named_params
-        ]
+        self._infos = [ParamInfo(n, p.numel(), p.dtype, p.device) for n, p in named_params]
         self._cap_bytes = int(bucket_cap_mb * MB)
         self._first_cap_bytes = int(first_bucket_mb * MB)
 
@@ -175,7 +173,9 @@ class Reducer:
             dist.broadcast_object_list(box, src=self._global_rank(0), group=self.process_group)
             order = box[0]  # type: ignore[assignment]
         plan = plan_buckets(
-            self._infos, cap_bytes=self._cap_bytes, first_cap_bytes=self._first_cap_bytes,
+            self._infos,
+            cap_bytes=self._cap_bytes,
+            first_cap_bytes=self._first_cap_bytes,
             order=order,
         )
         if [b.names for b in plan] == [b.names for b in self.plan]:

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Project entry points that need nothing but Python 3.10+ and pip.
+
+    python3 dev.py demo    # train on 2 CPU processes with bucketddp and torch DDP, side by side
+    python3 dev.py test    # the test suite
+    python3 dev.py bench   # the engine benchmark (bucketddp vs torch DDP vs no communication)
+    python3 dev.py lint    # ruff and mypy
+
+The first call creates .venv and installs the project with every pin in constraints.txt,
+so a CPU machine gets the CPU build of torch instead of the multi-GB CUDA wheels. Later
+calls reuse it until pyproject.toml or constraints.txt change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+CONSTRAINTS = ROOT / "constraints.txt"
+
+COMMANDS = {
+    "demo": [["examples/demo.py"]],
+    "test": [["-m", "pytest", "-q"]],
+    "bench": [["benchmarks/bench_engine.py"]],
+    "lint": [
+        ["-m", "ruff", "check", "src", "tests", "examples", "benchmarks", "dev.py"],
+        ["-m", "mypy"],
+    ],
+}
+
+
+def _fingerprint() -> str:
+    digest = hashlib.sha256()
+    for name in ("pyproject.toml", "constraints.txt"):
+        digest.update((ROOT / name).read_bytes())
+    return digest.hexdigest()
+
+
+def ensure_venv() -> None:
+    """Create .venv and install the project into it, unless it is already current."""
+    stamp = VENV / ".installed"
+    want = _fingerprint()
+    if stamp.exists() and stamp.read_text() == want and PY.exists():
+        return
+    env = dict(os.environ, PIP_CONSTRAINT=str(CONSTRAINTS), PIP_DISABLE_PIP_VERSION_CHECK="1")
+    if not PY.exists():
+        made = subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=False)
+        if made.returncode != 0:
+            # Some distributions ship venv without ensurepip: make a bare venv and let the
+            # system pip install into it.
+            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(VENV)], check=True)
+    has_pip = subprocess.run([str(PY), "-m", "pip", "--version"], capture_output=True).returncode
+    pip = [str(PY), "-m", "pip"]
+    if has_pip != 0:
+        pip = [sys.executable, "-m", "pip", "--python", str(PY)]
+    print("dev.py: installing bucketddp and its pinned dependencies into .venv ...", flush=True)
+    subprocess.run([*pip, "install", "-q", "-e", ".[lightning,dev]"], cwd=ROOT, env=env, check=True)
+    stamp.write_text(want)
+
+
+def main(argv: list[str]) -> int:
+    """Run the named command inside the project's virtual environment."""
+    if len(argv) < 1 or argv[0] not in COMMANDS:
+        print(__doc__)
+        return 2
+    ensure_venv()
+    for cmd in COMMANDS[argv[0]]:
+        code = subprocess.run([str(PY), *cmd, *argv[1:]], cwd=ROOT).returncode
+        if code != 0:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
