@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -92,6 +93,15 @@ class Branchy(nn.Module):
         return self.head(torch.relu(h))
 
 
+class Checkpointed(MLP):
+    """The middle of the network is recomputed in backward (non-reentrant checkpointing)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.net[0](x))
+        h = torch.utils.checkpoint.checkpoint(self.net[1:4], h, use_reentrant=False)
+        return self.net[4](h)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": MLP,
     "conv": ConvNet,
@@ -99,6 +109,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "frozen": Frozen,
     "mixed": MixedDtype,
     "branchy": Branchy,
+    "checkpointed": Checkpointed,
 }
 
 

@@ -68,6 +68,7 @@ CASES = {
     "conv": ("conv", {}, {}),
     "tied": ("tied", {}, {}),
     "frozen": ("frozen", {}, {}),
+    "activation_checkpointing": ("checkpointed", TINY, {}),
     "mixed_dtype": ("mixed", TINY, {}),
     "tiny_buckets": ("mlp", TINY, {}),
     "no_view": ("mlp", {"gradient_as_bucket_view": False}, {}),
