@@ -48,12 +48,10 @@ class CommStats:
 class _Bucket:
     """Runtime state of one planned bucket."""
 
-    __slots__ = ("flags", "grads", "members", "pending", "spec_numel", "storage", "work")
+    __slots__ = ("flags", "members", "pending", "storage", "work")
 
     def __init__(self, storage: torch.Tensor, numel: int, members: list[int]) -> None:
         self.storage = storage
-        self.spec_numel = numel
-        self.grads = storage[:numel]
         self.flags: torch.Tensor | None = storage[numel:] if storage.numel() > numel else None
         self.members = members
         self.pending = len(members)
@@ -212,16 +210,24 @@ class Reducer:
             self._observed.append(i)
         if not self.sync_enabled or not self._communicates:
             return
-        self._fill_slot(i, param.grad)
+        grad = param.grad
+        self._fill_slot(i, grad)
+        if self.gradient_as_bucket_view and grad is not self._views[i]:
+            param.grad = self._views[i]
         bucket = self._bucket_of[i]
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready()
 
     def _fill_slot(self, i: int, grad: torch.Tensor | None) -> None:
-        """Make bucket slot ``i`` hold the parameter's current gradient."""
+        """Stage gradient ``i`` in its bucket slot, already divided by the world size.
+
+        Dividing here, before the sum, is torch DDP's order. It also costs nothing when the
+        gradient has to be copied into the slot anyway (``out=`` fuses the two).
+        """
         view = self._views[i]
         if grad is view:
+            view.div_(self.world_size)  # accumulated in place, in the slot
             return
         if grad is None:
             view.zero_()
@@ -231,9 +237,7 @@ class Reducer:
                 f"parameter {self._names[i]!r} has a {grad.layout} gradient; bucketddp reduces "
                 "dense gradients only (for nn.Embedding, pass sparse=False)"
             )
-        view.copy_(grad)
-        if self.gradient_as_bucket_view:
-            self._params[i].grad = view
+        torch.div(grad, self.world_size, out=view)
 
     def _launch_ready(self) -> None:
         """Launch every bucket whose turn has come, in plan order."""
@@ -281,13 +285,11 @@ class Reducer:
         return self._missing_message([not r for r in self._ready])
 
     def _reduce(self) -> str | None:
-        locally_missing = [i for i, r in enumerate(self._ready) if not r]
+        locally_missing: list[int] = []
+        if self._n_ready < len(self._ready):
+            locally_missing = [i for i, r in enumerate(self._ready) if not r]
         for i in locally_missing:
-            grad = self._params[i].grad
-            if grad is None:
-                self._views[i].zero_()
-            elif grad is not self._views[i]:
-                self._views[i].copy_(grad)
+            self._fill_slot(i, self._params[i].grad)
             self._bucket_of[i].pending -= 1
         self._launch_ready()
 
@@ -297,8 +299,6 @@ class Reducer:
                 bucket.work.wait()
                 bucket.work = None
         waited = time.perf_counter() - start
-        for bucket in self._buckets:
-            bucket.grads.div_(self.world_size)
         self.stats = CommStats(
             collectives=len(self._buckets),
             bytes_reduced=sum(b.storage.numel() * b.storage.element_size() for b in self._buckets),
