@@ -78,6 +78,16 @@ class BucketDataParallel(nn.Module):
                 f"broadcast_buffers=False contradicts default_buffer_policy="
                 f"{default_buffer_policy!r}; pass only one of them"
             )
+        sparse = [
+            name
+            for name, m in module.named_modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+        ]
+        if sparse:
+            raise ValueError(
+                f"modules {sparse} produce sparse gradients, which BucketDataParallel does not "
+                "reduce; build them with sparse=False"
+            )
         self.module = module
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
