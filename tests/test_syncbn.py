@@ -1,0 +1,496 @@
+"""SyncBatchNorm against single-process BatchNorm on the concatenated global batch.
+
+Each distributed worker runs many cases in one process group (starting ranks is the slow
+part); the comparisons happen here, in the test process, against a reference computed from
+the same seeded data.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.profiler import ProfilerActivity, profile
+
+from bucketddp import BucketDataParallel
+from bucketddp.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from multirank import run_ranks
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+BN_CLASSES = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One SyncBatchNorm configuration and the per-rank batch sizes it is run with."""
+
+    name: str
+    bn: int  # 1, 2 or 3: which BatchNorm class
+    spatial: tuple[int, ...]  # the input's dimensions after (N, C)
+    sizes: tuple[int, ...]  # batch size of each rank, in rank order
+    channels: int = 3
+    momentum: float | None = 0.1
+    affine: bool = True
+    track_running_stats: bool = True
+    dtype: torch.dtype = torch.float32
+    steps: int = 3
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def make_bn(self) -> nn.Module:
+        torch.manual_seed(0)
+        bn = BN_CLASSES[self.bn](
+            self.channels,
+            momentum=self.momentum,
+            affine=self.affine,
+            track_running_stats=self.track_running_stats,
+        )
+        if self.affine:
+            with torch.no_grad():
+                bn.weight.uniform_(0.5, 1.5)
+                bn.bias.uniform_(-0.5, 0.5)
+        return bn
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global input of a step, and the fixed weights of its loss."""
+        g = torch.Generator().manual_seed(1000 * step + len(self.name))
+        shape = (sum(self.sizes), self.channels, *self.spatial)
+        scale = torch.rand(self.channels, generator=g) * 3 + 0.5
+        shift = torch.randn(self.channels, generator=g) * 2
+        view = (1, -1) + (1,) * len(self.spatial)
+        x = torch.randn(shape, generator=g) * scale.view(view) + shift.view(view)
+        return x.to(self.dtype), torch.randn(shape, generator=g)
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        lo = sum(self.sizes[:rank])
+        return lo, lo + self.sizes[rank]
+
+
+CASES = [
+    Case("1d_NC_uneven", 1, (), (5, 3), channels=4),
+    Case("1d_NCL", 1, (4,), (3, 3)),
+    Case("2d_uneven", 2, (3, 3), (4, 2)),
+    Case("3d", 3, (2, 3, 2), (2, 3)),
+    Case("empty_rank0", 2, (3, 2), (0, 4)),
+    Case("empty_rank1", 1, (5,), (3, 0)),
+    Case("momentum_none", 2, (2, 2), (3, 2), momentum=None),
+    Case("no_affine", 1, (), (4, 4), affine=False),
+    Case("no_running_stats", 2, (2, 3), (2, 3), track_running_stats=False),
+    Case("all_empty", 1, (), (0, 0), steps=2),
+    Case("bfloat16_input", 2, (3, 3), (3, 3), dtype=torch.bfloat16, steps=2),
+]
+
+
+def _collectives(prof: profile) -> int:
+    return sum(1 for e in prof.events() if e.name.startswith("c10d::"))
+
+
+def _run_case(layer: nn.Module, case: Case, lo: int, hi: int) -> dict[str, Any]:
+    """Train ``layer`` for the case's steps on rows lo:hi of each global batch, then eval."""
+    steps = []
+    for step in range(case.steps):
+        x_full, w_full = case.batch(step)
+        x = x_full[lo:hi].clone().requires_grad_(True)
+        with profile(activities=[ProfilerActivity.CPU]) as fwd:
+            out = layer(x)
+        loss = (out.float() * w_full[lo:hi]).sum()
+        with profile(activities=[ProfilerActivity.CPU]) as bwd:
+            loss.backward()
+        steps.append(
+            {
+                "out": out.detach().float(),
+                "grad_x": x.grad.float(),
+                "grad_w": None if layer.weight is None else layer.weight.grad.clone(),
+                "grad_b": None if layer.bias is None else layer.bias.grad.clone(),
+                "buffers": {k: v.clone() for k, v in layer.named_buffers()},
+                "fwd_collectives": _collectives(fwd),
+                "bwd_collectives": _collectives(bwd),
+            }
+        )
+        layer.zero_grad(set_to_none=True)
+    layer.eval()
+    x_eval, _ = case.batch(99)
+    with profile(activities=[ProfilerActivity.CPU]) as ev, torch.no_grad():
+        out_eval = layer(x_eval[lo:hi])
+    layer.train()
+    return {"steps": steps, "eval_out": out_eval.float(), "eval_collectives": _collectives(ev)}
+
+
+def _reference(case: Case, groups: list[list[int]] | None = None) -> list[dict[str, Any]]:
+    """What each rank should see: BatchNorm over the concatenated batch of its group."""
+    groups = groups or [list(range(len(case.sizes)))]
+    per_rank: list[dict[str, Any]] = [{} for _ in case.sizes]
+    for ranks in groups:
+        bn = case.make_bn()
+        lo, hi = case.bounds(ranks[0])[0], case.bounds(ranks[-1])[1]
+        steps = []
+        for step in range(case.steps):
+            x_full, w_full = case.batch(step)
+            x = x_full[lo:hi].float().requires_grad_(True)
+            out = bn(x)
+            (out * w_full[lo:hi]).sum().backward()
+            steps.append(
+                {
+                    "out": out.detach(),
+                    "grad_x": x.grad,
+                    "grad_w": None if bn.weight is None else bn.weight.grad.clone(),
+                    "grad_b": None if bn.bias is None else bn.bias.grad.clone(),
+                    "buffers": {k: v.clone() for k, v in bn.named_buffers()},
+                }
+            )
+            bn.zero_grad(set_to_none=True)
+        bn.eval()
+        x_eval, _ = case.batch(99)
+        with torch.no_grad():
+            if case.track_running_stats:
+                eval_out = {r: bn(x_eval[slice(*case.bounds(r))].float()) for r in ranks}
+            else:  # no running statistics: eval normalizes each rank's own batch
+                eval_out = {
+                    r: bn(x_eval[slice(*case.bounds(r))].float()) if case.sizes[r] > 1 else None
+                    for r in ranks
+                }
+        for r in ranks:
+            per_rank[r] = {"steps": steps, "lo": lo, "eval_out": eval_out[r]}
+    return per_rank
+
+
+def _compare(case: Case, results: list[dict[str, Any]], groups: list[list[int]] | None = None):
+    tol = TOL if case.dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    ref = _reference(case, groups)
+    for ranks in groups or [list(range(len(case.sizes)))]:
+        for step in range(case.steps):
+            want = ref[ranks[0]]["steps"][step]
+            got = [results[r]["steps"][step] for r in ranks]
+            where = f"{case.name}, ranks {ranks}, step {step}"
+            out = torch.cat([g["out"] for g in got])
+            torch.testing.assert_close(out, want["out"], **tol, msg=f"output, {where}")
+            grad_x = torch.cat([g["grad_x"] for g in got])
+            torch.testing.assert_close(grad_x, want["grad_x"], **tol, msg=f"input grad, {where}")
+            for key in ("grad_w", "grad_b"):
+                if want[key] is None:
+                    assert all(g[key] is None for g in got)
+                    continue
+                # Parameter gradients are per-rank sums; the data-parallel wrapper adds them.
+                total = torch.stack([g[key] for g in got]).sum(0)
+                torch.testing.assert_close(total, want[key], **tol, msg=f"{key}, {where}")
+            for r, g in zip(ranks, got, strict=True):
+                assert g["buffers"].keys() == want["buffers"].keys()
+                for name, value in want["buffers"].items():
+                    torch.testing.assert_close(
+                        g["buffers"][name], value, **TOL, msg=f"{name}, rank {r}, {where}"
+                    )
+        for r in ranks:
+            if ref[r]["eval_out"] is not None:
+                torch.testing.assert_close(
+                    results[r]["eval_out"], ref[r]["eval_out"], **tol, msg=f"eval, rank {r}"
+                )
+            assert results[r]["eval_collectives"] == 0, "eval must not communicate"
+
+
+# ---------------------------------------------------------------- 2 ranks, default group
+
+
+def _cases_worker(rank: int, world: int, cases: list[Case]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for case in cases:
+        layer = convert_sync_batchnorm(case.make_bn())
+        assert isinstance(layer, SyncBatchNorm)
+        out[case.name] = _run_case(layer, case, *case.bounds(rank))
+
+    # Two BatchNorm layers in a row: one collective each in forward and in backward.
+    torch.manual_seed(0)
+    net = convert_sync_batchnorm(
+        nn.Sequential(nn.BatchNorm1d(3), nn.Linear(3, 3), nn.BatchNorm1d(3))
+    )
+    x = torch.randn(4, 3, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as fwd:
+        y = net(x)
+    with profile(activities=[ProfilerActivity.CPU]) as bwd:
+        y.sum().backward()
+    out["two_layers"] = (_collectives(fwd), _collectives(bwd))
+
+    # An input that needs no gradient (a first layer): backward has nothing to reduce.
+    layer = convert_sync_batchnorm(nn.BatchNorm1d(3))
+    y = layer(torch.randn(4, 3))
+    with profile(activities=[ProfilerActivity.CPU]) as bwd:
+        y.sum().backward()
+    out["no_input_grad"] = (_collectives(bwd), layer.weight.grad is not None)
+
+    # One value per channel across the group is as much an error as in BatchNorm.
+    layer = convert_sync_batchnorm(nn.BatchNorm1d(3))
+    try:
+        layer(torch.randn(1 - rank, 3))
+        out["one_value"] = None
+    except ValueError as e:
+        out["one_value"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[dict[str, Any]]:
+    return run_ranks(_cases_worker, 2, CASES, timeout=120)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_matches_batchnorm_on_global_batch(case: Case, two_rank_results: list[dict[str, Any]]):
+    results = [r[case.name] for r in two_rank_results]
+    _compare(case, results)
+    for rank, res in enumerate(results):
+        for step, s in enumerate(res["steps"]):
+            everyone_empty = sum(case.sizes) == 0
+            assert s["fwd_collectives"] == 1, f"rank {rank} step {step} forward"
+            assert s["bwd_collectives"] == (0 if everyone_empty else 1), f"rank {rank} backward"
+
+
+def test_one_collective_per_layer_each_way(two_rank_results: list[dict[str, Any]]):
+    for res in two_rank_results:
+        assert res["two_layers"] == (2, 2)
+        # Only parameter gradients are wanted: they are local sums, no collective needed.
+        assert res["no_input_grad"] == (0, True)
+
+
+def test_one_value_per_channel_raises_on_every_rank(two_rank_results: list[dict[str, Any]]):
+    for res in two_rank_results:
+        assert res["one_value"] is not None
+        assert "more than 1 value per channel" in res["one_value"]
+
+
+# ---------------------------------------------------------------- 4 ranks in 2 groups
+
+GROUP_CASE = Case("groups", 2, (2, 2), (3, 1, 2, 4), channels=3)
+GROUPS = [[0, 1], [2, 3]]
+
+
+def _groups_worker(rank: int, world: int, case: Case) -> dict[str, Any]:
+    # new_group is collective: every rank creates every group, in the same order.
+    pairs = [dist.new_group(ranks) for ranks in GROUPS]
+    singles = [dist.new_group([r]) for r in range(world)]
+    mine = pairs[rank // 2]
+
+    layer = convert_sync_batchnorm(case.make_bn(), process_group=mine)
+    out = {"pairs": _run_case(layer, case, *case.bounds(rank))}
+
+    # A group of one rank is plain BatchNorm over the local batch, without communication.
+    alone = convert_sync_batchnorm(case.make_bn(), process_group=singles[rank])
+    out["single"] = _run_case(alone, case, *case.bounds(rank))
+
+    # A rank outside the layer's group is told so instead of hanging.
+    if rank >= 2:
+        stranger = convert_sync_batchnorm(case.make_bn(), process_group=pairs[0])
+        try:
+            stranger(torch.randn(4, 3, 2, 2))
+            out["stranger"] = None
+        except RuntimeError as e:
+            out["stranger"] = str(e)
+    return out
+
+
+def test_process_group_subsets_sync_within_their_group():
+    results = run_ranks(_groups_worker, 4, GROUP_CASE, timeout=120)
+    _compare(GROUP_CASE, [r["pairs"] for r in results], groups=GROUPS)
+    _compare(GROUP_CASE, [r["single"] for r in results], groups=[[r] for r in range(4)])
+    for r, res in enumerate(results):
+        assert {s["fwd_collectives"] for s in res["pairs"]["steps"]} == {1}
+        assert {s["fwd_collectives"] + s["bwd_collectives"] for s in res["single"]["steps"]} == {0}
+        if r >= 2:
+            assert "not a member of the process_group" in res["stranger"]
+
+
+# ---------------------------------------------------------------- with BucketDataParallel
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8, momentum=None),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+        nn.BatchNorm1d(4),
+    )
+
+
+def _train_data(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        (torch.randn(batch, 3, 6, 6, generator=g) * 2 + 1, torch.randn(batch, 4, generator=g))
+        for _ in range(steps)
+    ]
+
+
+def _ddp_worker(rank: int, world: int, steps: int, per_rank: int) -> dict[str, Any]:
+    model = BucketDataParallel(convert_sync_batchnorm(_conv_net()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _train_data(steps, per_rank * world):
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss = nn.functional.mse_loss(model(x[rows]), y[rows])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    plain = revert_sync_batchnorm(model.module)
+    return {
+        "state": {k: v.clone() for k, v in plain.state_dict().items()},
+        "classes": [type(m).__name__ for m in plain.modules()],
+        "policies": dict(model.buffers_sync.policies),
+    }
+
+
+def test_bucket_data_parallel_matches_single_process_training():
+    steps, per_rank = 3, 4
+    results = run_ranks(_ddp_worker, 2, steps, per_rank, timeout=120)
+
+    model = _conv_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _train_data(steps, per_rank * 2):
+        loss = nn.functional.mse_loss(model(x), y)  # the mean over the global batch
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for rank, res in enumerate(results):
+        assert res["state"].keys() == model.state_dict().keys()
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(res["state"][name], want, **TOL, msg=f"{name} on {rank}")
+        assert "SyncBatchNorm" not in res["classes"]
+        # SyncBatchNorm's statistics are global already: its buffers cost no buffer sync.
+        bn_buffers = [n for n in res["policies"] if n.split(".")[0] in {"1", "4", "9"}]
+        assert len(bn_buffers) == 9
+        assert all(res["policies"][n] == "none" for n in bn_buffers)
+
+
+# ---------------------------------------------------------------- single process
+
+
+def _model() -> nn.Module:
+    model = nn.Sequential(
+        nn.BatchNorm1d(4),
+        nn.Sequential(nn.BatchNorm2d(5, momentum=None), nn.BatchNorm3d(6, affine=False)),
+        nn.BatchNorm2d(7, track_running_stats=False),
+        nn.SyncBatchNorm(8),
+        nn.BatchNorm2d(9),
+    )
+    model[4].weight.requires_grad_(False)  # a frozen layer
+    model[4].eval()
+    with torch.no_grad():
+        for buf_owner in model.modules():
+            if getattr(buf_owner, "running_mean", None) is not None:
+                buf_owner.running_mean.uniform_()
+                buf_owner.num_batches_tracked.fill_(3)
+    return model
+
+
+def test_convert_then_revert_restores_everything():
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    classes = [type(m) for m in model.modules()]
+    flags = [m.training for m in model.modules()]
+
+    converted = convert_sync_batchnorm(model)
+    assert converted is model
+    layers = [m for m in converted.modules() if isinstance(m, _BatchNorm)]
+    assert all(type(m) is SyncBatchNorm for m in layers) and len(layers) == 6
+    assert [m.training for m in converted.modules()] == flags
+    assert all(p is params[n] for n, p in converted.named_parameters())
+    assert all(b is buffers[n] for n, b in converted.named_buffers())
+    assert not converted[4].weight.requires_grad
+    assert converted[1][0].momentum is None and converted[2].running_mean is None
+
+    reverted = revert_sync_batchnorm(converted)
+    assert [type(m) for m in reverted.modules()] == classes
+    assert [m.training for m in reverted.modules()] == flags
+    assert all(p is params[n] for n, p in reverted.named_parameters())
+    assert all(b is buffers[n] for n, b in reverted.named_buffers())
+    after = reverted.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert not any(hasattr(m, "converted_from") for m in reverted.modules())
+    assert not hasattr(reverted[0], "process_group") and hasattr(reverted[3], "process_group")
+
+
+def test_dimension_checks_survive_the_round_trip():
+    converted = convert_sync_batchnorm(_model())
+    good = {0: (2, 4, 3), 1: (2, 5, 3, 3), 3: (2, 8, 3)}
+    bad = {0: (2, 4, 3, 3), 1: (2, 5, 3), 3: (8,)}
+    for stage in ("converted", "reverted"):
+        layers = {0: converted[0], 1: converted[1][0], 3: converted[3]}
+        for i, layer in layers.items():
+            layer.eval()
+            layer(torch.randn(good[i]))
+            with pytest.raises(ValueError, match=r"\dD input"):
+                layer(torch.randn(bad[i]))
+        if stage == "converted":
+            converted = revert_sync_batchnorm(converted)
+
+
+def test_root_module_and_directly_built_layers():
+    bn = nn.BatchNorm3d(2)
+    sync = convert_sync_batchnorm(bn)
+    assert type(sync) is SyncBatchNorm and sync.weight is bn.weight
+    assert sync.converted_from is nn.BatchNorm3d
+    assert type(revert_sync_batchnorm(sync)) is nn.BatchNorm3d
+
+    direct = SyncBatchNorm(3, momentum=None)
+    direct(torch.randn(4, 3, 5))  # any dimensionality >= 2
+    direct(torch.randn(4, 3, 2, 2))
+    with pytest.raises(ValueError, match="at least 2"):
+        direct(torch.randn(3))
+    # With no original class it becomes torch's SyncBatchNorm, which also takes any dims.
+    back = revert_sync_batchnorm(direct)
+    assert type(back) is nn.SyncBatchNorm and back.momentum is None
+    assert torch.equal(back.num_batches_tracked, torch.tensor(2))
+
+
+def test_hooks_and_own_attributes_survive_the_round_trip():
+    # bias=False came with newer torch; older ones still test the rest.
+    no_bias = "bias" in inspect.signature(nn.BatchNorm1d).parameters
+    bn = nn.BatchNorm1d(3, **({"bias": False} if no_bias else {}))
+    bn.note = "mine"
+    calls = []
+    bn.register_forward_hook(lambda mod, args, out: calls.append(type(mod).__name__))
+    sync = convert_sync_batchnorm(bn)
+    assert (sync.bias is None) == no_bias and sync.note == "mine"
+    if no_bias:
+        assert SyncBatchNorm(3, bias=False).bias is None
+    sync(torch.randn(4, 3))
+    back = revert_sync_batchnorm(sync)
+    back(torch.randn(4, 3))
+    assert calls == ["SyncBatchNorm", "BatchNorm1d"]
+    assert back.note == "mine" and (back.bias is None) == no_bias
+    # The two objects never share a registry: a hook added to one stays there.
+    back.register_forward_pre_hook(lambda mod, args: None)
+    assert len(back._forward_pre_hooks) == 1 and len(sync._forward_pre_hooks) == 0
+
+
+def test_lazy_layers_must_be_materialized_first():
+    with pytest.raises(ValueError, match="run one forward pass"):
+        convert_sync_batchnorm(nn.Sequential(nn.LazyBatchNorm2d()))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_without_process_group_it_is_batchnorm(momentum: float | None):
+    ref = nn.BatchNorm2d(3, momentum=momentum)
+    sync = SyncBatchNorm(3, momentum=momentum)
+    sync.load_state_dict(ref.state_dict())
+    for step in range(3):
+        x = torch.randn(4, 3, 2, 2) + step
+        xr, xs = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        (ref(xr) * x).sum().backward()
+        (sync(xs) * x).sum().backward()
+        torch.testing.assert_close(xs.grad, xr.grad, **TOL)
+    torch.testing.assert_close(sync.weight.grad, ref.weight.grad, **TOL)
+    for name, buf in ref.named_buffers():
+        torch.testing.assert_close(getattr(sync, name), buf, **TOL)
+    assert SyncBatchNorm.default_buffer_policy == "none"
