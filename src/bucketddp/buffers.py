@@ -16,15 +16,20 @@ Precedence, highest first:
 from __future__ import annotations
 
 import fnmatch
+import logging
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .comm import all_reduce_coalesced, broadcast_coalesced
+
+log = logging.getLogger(__name__)
 
 BufferFn = Callable[[torch.Tensor, "dist.ProcessGroup | None"], "torch.Tensor | None"]
 Policy = Union[str, BufferFn]  # noqa: UP007  (a runtime alias; `|` with a string fails)
@@ -43,7 +48,13 @@ class BufferGroup:
     names: tuple[str, ...]
 
 
-def _check_policy(policy: object, where: str) -> None:
+def check_policy(policy: object, where: str) -> None:
+    """Raise unless ``policy`` is a policy name or a callable; ``where`` names its source.
+
+    Raises:
+        ValueError: an unknown policy name.
+        TypeError: neither a string nor callable.
+    """
     if callable(policy):
         return
     if isinstance(policy, str):
@@ -54,7 +65,7 @@ def _check_policy(policy: object, where: str) -> None:
             )
         return
     raise TypeError(
-        f"buffer policy for {where} is a {type(policy).__name__}, which is neither a policy "
+        f"buffer policy for {where} has type {type(policy).__name__}: it is neither a policy "
         f"name ({', '.join(POLICIES)}) nor callable; pass a function fn(buffer, group)"
     )
 
@@ -76,38 +87,64 @@ def resolve_policies(
         module_defaults: per-buffer defaults a module declares for its own buffers.
         default: the policy of every buffer no rule names.
 
+    Returns:
+        buffer name to policy, in the order of ``buffers``.
+
     Raises:
-        ValueError: an unknown policy name, a key that matches no buffer, or ``"mean"``
-            on a buffer that is not floating point.
+        ValueError: an unknown policy name, a key that matches no buffer, or a reducing
+            policy on a dtype it cannot apply to (``"mean"`` on an integer or bool buffer,
+            ``"sum"`` on a bool one, ``"max"``/``"min"`` on a complex one).
         TypeError: a policy that is neither a name nor callable.
     """
-    _check_policy(default, "default_buffer_policy")
-    layers = [("buffer_sync", dict(rules or {})), ("configure_buffer_sync", dict(module_rules or {}))]
+    check_policy(default, "default_buffer_policy")
+    for name, policy in (module_defaults or {}).items():
+        check_policy(policy, f"{name!r} (its module's default_buffer_policy)")
+    layers = [
+        ("buffer_sync", dict(rules or {})),
+        ("configure_buffer_sync", dict(module_rules or {})),
+    ]
     for source, mapping in layers:
         for key, policy in mapping.items():
-            _check_policy(policy, f"{key!r} in {source}")
-            if key not in buffers and not fnmatch.filter(buffers, key):
-                raise ValueError(
-                    f"{source} key {key!r} matches no buffer; the module's buffers are "
-                    f"{sorted(buffers)[:20]}"
-                )
+            if not isinstance(key, str):
+                raise TypeError(f"{source} key {key!r} is not a string; use a buffer name")
+            check_policy(policy, f"{key!r} in {source}")
+            if key not in buffers and not any(fnmatch.fnmatchcase(n, key) for n in buffers):
+                raise ValueError(f"{source} key {key!r} matches no buffer; {_describe(buffers)}")
 
     resolved: dict[str, Policy] = {}
     for name in buffers:
-        policy = _lookup(name, layers)
-        if policy is None:
-            policy = (module_defaults or {}).get(name, default)
-        resolved[name] = policy
+        found = _lookup(name, layers)
+        resolved[name] = found if found is not None else (module_defaults or {}).get(name, default)
 
     for name, policy in resolved.items():
-        if policy == "mean" and not buffers[name].is_floating_point:
-            raise ValueError(
-                f"buffer {name!r} has dtype {buffers[name]}, which cannot hold a mean; "
-                "use 'sum', 'max', 'min', 'broadcast' or a custom function for it"
-            )
-        if policy == "sum" and buffers[name] == torch.bool:
-            raise ValueError(f"buffer {name!r} is bool and cannot be summed; use 'max' or 'min'")
+        _check_dtype(name, policy, buffers[name])
     return resolved
+
+
+def _describe(buffers: Mapping[str, torch.dtype]) -> str:
+    if not buffers:
+        return "the module has no buffers"
+    names = sorted(buffers)
+    more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+    return f"the module's buffers are {names[:20]}{more} (names relative to the wrapped module)"
+
+
+def _check_dtype(name: str, policy: Policy, dtype: torch.dtype) -> None:
+    if not isinstance(policy, str):
+        return
+    problem = None
+    if policy == "mean" and not (dtype.is_floating_point or dtype.is_complex):
+        problem = "cannot hold a mean"
+    elif policy == "sum" and dtype == torch.bool:
+        problem = "cannot be summed"
+    elif policy in ("max", "min") and dtype.is_complex:
+        problem = "has no order"
+    if problem is not None:
+        raise ValueError(
+            f"buffer {name!r} has dtype {dtype}, which {problem} (policy {policy!r}); give it "
+            f"its own rule in buffer_sync, e.g. {{{name!r}: 'max'}} or 'broadcast', or a "
+            "custom function"
+        )
 
 
 def _lookup(name: str, layers: list[tuple[str, dict[str, Policy]]]) -> Policy | None:
@@ -122,25 +159,62 @@ def _lookup(name: str, layers: list[tuple[str, dict[str, Policy]]]) -> Policy | 
 
 
 def group_buffers(
-    resolved: Mapping[str, Policy], dtypes: Mapping[str, tuple[torch.dtype, torch.device]]
+    resolved: Mapping[str, Policy], places: Mapping[str, tuple[torch.dtype, torch.device]]
 ) -> list[BufferGroup]:
-    """Group buffers by (policy, dtype, device); custom policies stay one group per buffer."""
-    groups: dict[tuple[object, torch.dtype, torch.device], list[str]] = {}
+    """Group buffers by (policy, dtype, device), in first-appearance order.
+
+    ``"none"`` buffers form no group. A custom policy gets one group per buffer, since the
+    function is called on one buffer at a time.
+    """
+    groups: dict[tuple[str, torch.dtype, torch.device], list[str]] = {}
     singles: list[BufferGroup] = []
     for name, policy in resolved.items():
-        dtype, device = dtypes[name]
-        if policy == "none":
-            continue
-        if callable(policy):
-            singles.append(BufferGroup(policy, dtype, device, (name,)))
+        dtype, device = places[name]
+        if isinstance(policy, str):
+            if policy != "none":
+                groups.setdefault((policy, dtype, device), []).append(name)
         else:
-            groups.setdefault((policy, dtype, device), []).append(name)
-    out = [BufferGroup(p, d, dev, tuple(n)) for (p, d, dev), n in groups.items()]  # type: ignore[arg-type]
+            singles.append(BufferGroup(policy, dtype, device, (name,)))
+    out = [BufferGroup(p, d, dev, tuple(n)) for (p, d, dev), n in groups.items()]
     return out + singles
 
 
+def policy_label(policy: Policy) -> str:
+    """A policy as text: its name, or a custom function's qualified name."""
+    if isinstance(policy, str):
+        return policy
+    qualname = getattr(policy, "__qualname__", type(policy).__qualname__)
+    return f"{getattr(policy, '__module__', '?')}.{qualname}"
+
+
 class BufferSync:
-    """Applies resolved buffer policies to a module's buffers, one collective per group."""
+    """Applies resolved buffer policies to a module's buffers, one collective per group.
+
+    Construction resolves the policies on every rank and checks that every rank resolved
+    the same ones (one ``all_gather_object``), so a bad rule raises on every rank at setup
+    rather than hanging one of them later.
+
+    Loading a state dict into a module that owns ``"sum"`` buffers takes the loaded values
+    as the new agreed baseline (a load hook does it), so a resume never counts the loaded
+    totals again.
+
+    Args:
+        module: the model whose buffers are synced; its ``configure_buffer_sync()`` (if it
+            has one) and its submodules' ``default_buffer_policy`` attributes are read here.
+        process_group: the group to sync over; the default group if None.
+        rules: the wrapper's or strategy's ``buffer_sync``.
+        default: the policy of buffers no rule names.
+
+    Attributes:
+        policies: buffer name to policy, for every buffer of the module.
+        groups: the (policy, dtype, device) groups a sync walks through, in order.
+        rank_local: the ``"none"`` buffers that a rule or the global default made
+            rank-local (see :meth:`buffers_from_rank0`).
+
+    Raises:
+        ValueError, TypeError: see :func:`resolve_policies`; raised on every rank.
+        RuntimeError: the ranks resolved different policies.
+    """
 
     def __init__(
         self,
@@ -155,41 +229,119 @@ class BufferSync:
         # Buffers are looked up through their owning module at every sync, so a buffer the
         # module reassigns (``self.n = self.n + 1``) is still the one that gets synced.
         self._owners: dict[str, tuple[nn.Module, str]] = {}
+        self._baseline: dict[str, torch.Tensor] = {}
+        self._hooks: list[RemovableHandle] = []
+        self.rank_local: set[str] = set()
+        error: Exception | None = None
+        policies: dict[str, Policy] = {}
+        try:
+            policies = self._resolve(module, rules, default)
+        except Exception as exc:  # reported to every rank by _agree
+            error = exc
+        self.policies = _agree(policies, error, process_group)
+        places = {n: (self._get(n).dtype, self._get(n).device) for n in self.policies}
+        self.groups = group_buffers(self.policies, places)
+        self.reset_baseline()
+        self._watch_loads()
+        if dist.get_rank(process_group) == 0:
+            for g in self.groups:
+                log.debug(
+                    "buffer sync group %s %s on %s: %s",
+                    policy_label(g.policy),
+                    g.dtype,
+                    g.device,
+                    list(g.names),
+                )
+
+    def _resolve(
+        self, module: nn.Module, rules: Mapping[str, Policy] | None, default: Policy
+    ) -> dict[str, Policy]:
         dtypes: dict[str, torch.dtype] = {}
         module_defaults: dict[str, Policy] = {}
+        seen: set[int] = set()
         for mod_name, mod in module.named_modules():
             own = getattr(mod, "default_buffer_policy", None)
             for attr, buf in mod.named_buffers(recurse=False):
-                if buf is None:
+                # A tensor registered under two names is synced once, under its first name
+                # (the one ``named_buffers()`` and ``state_dict()`` report).
+                if buf is None or id(buf) in seen:
                     continue
+                seen.add(id(buf))
                 full = f"{mod_name}.{attr}" if mod_name else attr
                 self._owners[full] = (mod, attr)
                 dtypes[full] = buf.dtype
-                if isinstance(own, str):
+                if own is not None:
                     module_defaults[full] = own
         hook = getattr(module, "configure_buffer_sync", None)
         module_rules = hook() if callable(hook) else None
-        self.policies = resolve_policies(
+        if module_rules is not None and not isinstance(module_rules, Mapping):
+            raise TypeError(
+                f"configure_buffer_sync() returned a {type(module_rules).__name__}; "
+                "return a dict of buffer name or pattern to policy"
+            )
+        policies = resolve_policies(
             dtypes,
             rules=rules,
             module_rules=module_rules,
             module_defaults=module_defaults,
             default=default,
         )
-        places = {n: (self._get(n).dtype, self._get(n).device) for n in self._owners}
-        self.groups = group_buffers(self.policies, places)
-        self._baseline: dict[str, torch.Tensor] = {}
-        self.reset_baseline()
+        # A module that declares "none" for its own buffers (SyncBatchNorm) means they stay
+        # in agreement by themselves, not that they are rank-local: they still start from
+        # rank 0's value. Only a "none" from a rule or the global default is rank-local.
+        layers = [("", dict(rules or {})), ("", dict(module_rules or {}))]
+        self.rank_local = {
+            n
+            for n, p in policies.items()
+            if p == "none" and (n not in module_defaults or _lookup(n, layers) is not None)
+        }
+        return policies
 
     def _get(self, name: str) -> torch.Tensor:
         mod, attr = self._owners[name]
         return mod._buffers[attr]  # type: ignore[return-value]
 
-    def reset_baseline(self) -> None:
-        """Record the current values of ``"sum"`` buffers as agreed (after a load or sync)."""
-        self._baseline = {
-            n: self._get(n).detach().clone() for n, p in self.policies.items() if p == "sum"
-        }
+    def _watch_loads(self) -> None:
+        # Loading a checkpoint overwrites "sum" buffers with agreed totals; the baseline
+        # must follow, or the next sync would add the loaded totals once per rank.
+        by_owner: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}
+        for name, policy in self.policies.items():
+            if policy == "sum":
+                mod, attr = self._owners[name]
+                by_owner.setdefault(id(mod), (mod, []))[1].append((name, attr))
+        for mod, members in by_owner.values():
+            watcher = _LoadWatcher(self, members)
+            self._hooks.append(_register_load_pre_hook(mod, watcher.before))
+            self._hooks.append(mod.register_load_state_dict_post_hook(watcher.after))
+
+    def remove(self) -> None:
+        """Detach the load hooks this object put on the module."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def reset_baseline(self, names: list[str] | None = None) -> None:
+        """Take the current values of ``"sum"`` buffers as agreed by every rank.
+
+        Construction and loading a state dict do this already; call it after writing a
+        ``"sum"`` buffer by other means when the value written is the same on every rank.
+
+        Args:
+            names: the buffers to reset; every ``"sum"`` buffer if None.
+        """
+        for name in self.policies if names is None else names:
+            if self.policies[name] == "sum":
+                self._baseline[name] = self._get(name).detach().clone()
+
+    def buffers_from_rank0(self) -> list[torch.Tensor]:
+        """The buffers that must start from rank 0's value when the model is wrapped.
+
+        That is every buffer but the rank-local ones (``"none"`` from a rule or from
+        ``default_buffer_policy``), so a per-rank value set before wrapping survives, as
+        with torch DDP's ``broadcast_buffers=False``. A module's own ``"none"`` default
+        (SyncBatchNorm's statistics) is not rank-local: those buffers are included.
+        """
+        return [self._get(n) for n in self.policies if n not in self.rank_local]
 
     @property
     def needed(self) -> bool:
@@ -198,18 +350,22 @@ class BufferSync:
 
     @torch.no_grad()
     def sync(self) -> int:
-        """Make the buffers agree according to their policies; returns collectives used."""
+        """Make the buffers agree according to their policies.
+
+        Returns:
+            the collectives launched: one per (policy, dtype, device) group, not counting
+            those a custom function launches itself.
+        """
         if self.world_size == 1:
             return 0
         count = 0
         for group in self.groups:
-            tensors = [self._get(n) for n in group.names]
             policy = group.policy
-            if callable(policy):
-                out = policy(tensors[0], self.process_group)
-                if out is not None:
-                    tensors[0].copy_(out)
-            elif policy == "broadcast":
+            if not isinstance(policy, str):
+                self._apply_custom(group.names[0], policy)
+                continue
+            tensors = [self._get(n) for n in group.names]
+            if policy == "broadcast":
                 count += broadcast_coalesced(tensors, self.process_group)
             elif policy == "sum":
                 count += self._sync_sum(group.names, tensors)
@@ -220,13 +376,105 @@ class BufferSync:
                         t.div_(self.world_size)
         return count
 
+    def _apply_custom(self, name: str, fn: BufferFn) -> None:
+        buf = self._get(name)
+        out = fn(buf, self.process_group)
+        if out is None or out is buf:
+            return
+        if not isinstance(out, torch.Tensor) or out.shape != buf.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise RuntimeError(
+                f"custom buffer policy {policy_label(fn)} for {name!r} returned {got}; "
+                f"return None (after editing the buffer in place) or a tensor of shape "
+                f"{tuple(buf.shape)}"
+            )
+        buf.copy_(out)
+
     def _sync_sum(self, names: tuple[str, ...], tensors: list[torch.Tensor]) -> int:
         # Reduce only what each rank added since the last agreed value, so that repeated
         # syncs never count the same addition twice.
-        for name, t in zip(names, tensors, strict=True):
-            t.sub_(self._baseline[name])
-        count = all_reduce_coalesced(tensors, dist.ReduceOp.SUM, self.process_group)
-        for name, t in zip(names, tensors, strict=True):
-            t.add_(self._baseline[name])
-            self._baseline[name].copy_(t)
+        deltas = [t - self._baseline_like(n, t) for n, t in zip(names, tensors, strict=True)]
+        count = all_reduce_coalesced(deltas, dist.ReduceOp.SUM, self.process_group)
+        for name, t, delta in zip(names, tensors, deltas, strict=True):
+            base = self._baseline[name]
+            base.add_(delta)
+            t.copy_(base)
         return count
+
+    def _baseline_like(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        base = self._baseline[name]
+        if base.device != t.device or base.dtype != t.dtype:  # the module moved
+            base = self._baseline[name] = base.to(device=t.device, dtype=t.dtype)
+        return base
+
+
+class _LoadWatcher:
+    """Resets the baseline of one module's ``"sum"`` buffers after a load into it.
+
+    The pre-hook notes which of them the state dict holds; the post-hook resets only
+    those, so a partial load keeps the unsynced additions of the buffers it left alone.
+    """
+
+    def __init__(self, sync: BufferSync, members: list[tuple[str, str]]) -> None:
+        self._sync = weakref.ref(sync)  # the module must not keep a dropped wrapper alive
+        self._members = members
+        self._loaded: list[str] = []
+
+    def before(
+        self, _module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *_: Any
+    ) -> None:
+        self._loaded = [name for name, attr in self._members if prefix + attr in state_dict]
+
+    def after(self, _module: nn.Module, _incompatible_keys: Any) -> None:
+        sync = self._sync()
+        if sync is not None and self._loaded:
+            sync.reset_baseline(self._loaded)
+        self._loaded = []
+
+
+def _register_load_pre_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
+    # The public name arrived after torch 2.4, which the package still supports.
+    register = getattr(module, "register_load_state_dict_pre_hook", None)
+    if register is not None:
+        return register(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def _agree(
+    policies: dict[str, Policy], error: Exception | None, group: dist.ProcessGroup | None
+) -> dict[str, Policy]:
+    """Raise on every rank if any rank failed to resolve, or resolved differently."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        if error is not None:
+            raise error
+        return policies
+    mine: tuple[str, Any] = (
+        ("error", (type(error).__name__, str(error)))
+        if error is not None
+        else ("ok", {n: policy_label(p) for n, p in policies.items()})
+    )
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    if error is not None:
+        raise error
+    for rank, (kind, payload) in enumerate(gathered):
+        if kind == "error":
+            exc_name, message = payload
+            exc_type = {"ValueError": ValueError, "TypeError": TypeError}.get(
+                exc_name, RuntimeError
+            )
+            raise exc_type(f"on rank {rank}: {message}")
+    reference = gathered[0][1]
+    for rank, (_, theirs) in enumerate(gathered):
+        if theirs != reference:
+            diff = sorted(
+                n for n in reference.keys() | theirs.keys() if reference.get(n) != theirs.get(n)
+            )
+            raise RuntimeError(
+                f"ranks resolved different buffer policies: for {diff[:5]} rank 0 has "
+                f"{[reference.get(n) for n in diff[:5]]}, rank {rank} has "
+                f"{[theirs.get(n) for n in diff[:5]]}; configure_buffer_sync() and "
+                "buffer_sync must give the same rules on every rank"
+            )
+    return policies

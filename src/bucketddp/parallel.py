@@ -99,7 +99,11 @@ class BucketDataParallel(nn.Module):
             module, process_group=process_group, rules=buffer_sync, default=default_buffer_policy
         )
         if dist.get_world_size(process_group) > 1:
-            broadcast_coalesced([*module.parameters(), *module.buffers()], process_group)
+            # Buffers a rule made rank-local keep each rank's value, as torch DDP does for
+            # broadcast_buffers=False; everything else starts from rank 0.
+            broadcast_coalesced(
+                [*module.parameters(), *self.buffers_sync.buffers_from_rank0()], process_group
+            )
         self.buffers_sync.reset_baseline()
         self.reducer = Reducer(
             [(n, p) for n, p in module.named_parameters() if p.requires_grad],
@@ -154,8 +158,9 @@ class BucketDataParallel(nn.Module):
         return self.buffers_sync.sync()
 
     def remove_hooks(self) -> None:
-        """Detach the reducer's hooks, leaving ``.module`` a plain module."""
+        """Detach the reducer's and the buffer sync's hooks, leaving ``.module`` plain."""
         self.reducer.remove()
+        self.buffers_sync.remove()
 
 
 def _signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
