@@ -1,0 +1,540 @@
+"""Benchmark the engine: step time and peak memory of bucketddp against torch DDP on CPU/gloo.
+
+Three systems train each model (see ``models.py``) with SGD and momentum:
+
+- ``local``: the bare model, no communication: the floor the other two are measured against;
+- ``torch_ddp``: ``torch.nn.parallel.DistributedDataParallel`` with its default options;
+- ``bucketddp``: ``bucketddp.BucketDataParallel`` with its default options.
+
+Step times come from one pair of processes per model that keeps all three systems alive and
+runs them in interleaved rounds, rotating the order each round, so that slow drifts of the
+machine hit every system alike. Peak memory comes from a fresh pair of processes per
+(model, system), because a process's peak resident set size only ever grows.
+See ``docs/benchmarks.md`` for how to read the output.
+
+Usage::
+
+    python benchmarks/bench_engine.py            # the full run, a few minutes on 2 cores
+    python benchmarks/bench_engine.py --quick    # a smoke run, under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import resource
+import socket
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import bucketddp
+from bucketddp import BucketDataParallel
+from models import MODELS, Batch, ModelSpec, count_parameters, loss_fn
+
+SYSTEMS = ("local", "torch_ddp", "bucketddp")
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "engine.json"
+LR = 0.01
+MOMENTUM = 0.9
+
+
+@dataclass(frozen=True)
+class Config:
+    """The knobs of one timing run, shipped to every rank."""
+
+    rounds: int
+    steps: int
+    warmup: int
+    batch_size: int | None
+    """Per-rank batch size; None means each model's own default."""
+    memory_steps: int
+
+
+# --------------------------------------------------------------------- process launch
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    # One intra-op thread per rank: two ranks share this machine's cores, and oversubscribed
+    # threads would measure the scheduler rather than the reducer.
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=120),
+        )
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 900.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new gloo processes.
+
+    Returns the per-rank results in rank order. Raises RuntimeError with the failing rank's
+    traceback if a rank raises or dies, and TimeoutError if the ranks outlive ``timeout``.
+    ``fn`` must be a module-level function; its result must be picklable.
+    """
+    ctx = mp.get_context("forkserver")
+    # A rank forks from a server that has torch imported: a fraction of a second to start,
+    # against seconds for a fresh interpreter. Memory figures are deltas within a rank, so
+    # the pages it shares with the server do not count against any system.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "bucketddp", "models"])
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, args, results))
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world_size:
+            try:
+                rank, ok, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode]
+                if dead:
+                    raise RuntimeError(
+                        f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} "
+                        "without a result"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{fn.__name__} on {world_size} ranks ran past {timeout:.0f}s"
+                    ) from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world_size} raised:\n{payload}")
+            done[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [done[r] for r in range(world_size)]
+
+
+# ------------------------------------------------------------------------ one rank
+def wrap(system: str, model: nn.Module) -> nn.Module:
+    """The model as ``system`` trains it: bare, in torch DDP, or in BucketDataParallel."""
+    if system == "local":
+        return model
+    if system == "torch_ddp":
+        return DistributedDataParallel(model)
+    if system == "bucketddp":
+        return BucketDataParallel(model)
+    raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+
+
+def make_batches(spec: ModelSpec, cfg: Config, rank: int, round_: int, count: int) -> list[Batch]:
+    """The batches of one round on one rank: the same for every system in that round."""
+    size = cfg.batch_size or spec.batch_size
+    return [spec.batch(size, seed=1_000_000 * round_ + 1000 * rank + i) for i in range(count)]
+
+
+def train_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch]
+) -> list[list[float]]:
+    """Train one step per batch; per step: [total, forward, backward, optimizer, wait, cpu] s.
+
+    The forward phase includes the loss; the optimizer phase includes ``zero_grad``.
+    ``wait`` is bucketddp's own ``comm_stats.wait_seconds`` (0 for other systems); ``cpu``
+    is the CPU time of the whole process (every thread, gloo's included) during the step.
+    """
+    rows = []
+    for batch in batches:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        loss = loss_fn(model, batch)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        wait = model.comm_stats.wait_seconds if isinstance(model, BucketDataParallel) else 0.0
+        rows.append([t3 - t0, t1 - t0, t2 - t1, t3 - t2, wait, time.process_time() - c0])
+    return rows
+
+
+def time_model(
+    rank: int, world_size: int, model_name: str, systems: Sequence[str], cfg: Config
+) -> dict[str, Any]:
+    """Interleaved rounds of every system on one model; returns per-round step figures.
+
+    Each step's total time is the max over ranks (a step is as slow as its slowest rank);
+    the phase columns are the mean over ranks.
+    """
+    spec = MODELS[model_name]
+    models = {s: wrap(s, spec.build(seed=0)) for s in systems}
+    optimizers = {
+        s: torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for s, m in models.items()
+    }
+    per_round: dict[str, list[list[list[float]]]] = {s: [] for s in systems}
+    for r in range(cfg.rounds):
+        batches = make_batches(spec, cfg, rank, r, cfg.warmup + cfg.steps)
+        order = [systems[(r + k) % len(systems)] for k in range(len(systems))]
+        for s in order:
+            dist.barrier()
+            rows = train_steps(models[s], optimizers[s], batches)[cfg.warmup :]
+            figures = torch.tensor(rows, dtype=torch.float64)
+            slowest = figures[:, :1].clone()
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            mean = figures[:, 1:].clone()
+            dist.all_reduce(mean)
+            mean /= world_size
+            per_round[s].append(torch.cat([slowest, mean], dim=1).tolist())
+    info: dict[str, Any] = {"params": count_parameters(models[systems[0]])}
+    if "bucketddp" in models:
+        plan = models["bucketddp"].bucket_plan
+        info["bucketddp_buckets"] = len(plan)
+        info["bucketddp_bucket_mb"] = [round(b.nbytes / 2**20, 3) for b in plan]
+    return {"per_round": per_round, **info}
+
+
+def _rss_kb() -> int:
+    """Current resident set size of this process in KiB (Linux), else the peak so far."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0); False if unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_memory(
+    rank: int, world_size: int, model_name: str, system: str, cfg: Config
+) -> dict[str, Any]:
+    """Peak RSS growth of one system in a fresh process, from "model built" to "steps done".
+
+    The baseline is taken after the model and the batches exist but before wrapping, so the
+    figure covers what the wrapper adds (buckets, bookkeeping, gloo buffers) plus what
+    training adds (gradients, momentum, activations), and not the model itself.
+    """
+    spec = MODELS[model_name]
+    model = spec.build(seed=0)
+    batches = make_batches(spec, cfg, rank, 0, cfg.memory_steps)
+    dist.barrier()
+    reset = _reset_peak_rss()
+    baseline_kb = _rss_kb()
+    wrapped = wrap(system, model)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR, momentum=MOMENTUM)
+    train_steps(wrapped, optimizer, batches)
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "baseline_mb": baseline_kb / 1024,
+        "peak_mb": peak_kb / 1024,
+        "delta_mb": (peak_kb - baseline_kb) / 1024,
+        "peak_reset": reset,
+    }
+
+
+# ----------------------------------------------------------------------- analysis
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    ordered = sorted(xs)
+    if not ordered:
+        return float("nan")
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
+    """Medians, ratios and exposed communication of one model's timing run (in ms)."""
+    per_round = raw["per_round"]
+    out: dict[str, Any] = {"params": raw["params"], "systems": {}}
+    for s in systems:
+        rounds = per_round[s]
+        steps = [row for rnd in rounds for row in rnd]
+        totals = [1000 * row[0] for row in steps]
+        out["systems"][s] = {
+            "median_ms": _median(totals),
+            "p25_ms": _quantile(totals, 0.25),
+            "p75_ms": _quantile(totals, 0.75),
+            "round_medians_ms": [_median([1000 * row[0] for row in rnd]) for rnd in rounds],
+            "forward_ms": _median([1000 * row[1] for row in steps]),
+            "backward_ms": _median([1000 * row[2] for row in steps]),
+            "optimizer_ms": _median([1000 * row[3] for row in steps]),
+            "comm_wait_ms": _median([1000 * row[4] for row in steps]),
+            "cpu_ms": _median([1000 * row[5] for row in steps]),
+            "step_ms": [[1000 * row[0] for row in rnd] for rnd in rounds],
+        }
+    figures = out["systems"]
+    if "local" in figures:
+        floor = figures["local"]["median_ms"]
+        for s in systems:
+            if s != "local":
+                figures[s]["exposed_comm_ms"] = figures[s]["median_ms"] - floor
+    if "torch_ddp" in figures and "bucketddp" in figures:
+        ours, theirs = figures["bucketddp"], figures["torch_ddp"]
+        round_ratios = [
+            a / b for a, b in zip(ours["round_medians_ms"], theirs["round_medians_ms"], strict=True)
+        ]
+        out["ratio_of_medians"] = ours["median_ms"] / theirs["median_ms"]
+        out["median_round_ratio"] = _median(round_ratios)
+        out["round_ratios"] = round_ratios
+        out["cpu_ratio"] = ours["cpu_ms"] / theirs["cpu_ms"]
+    if "local" in figures and "bucketddp" in figures:
+        out["bucketddp_over_local"] = (
+            figures["bucketddp"]["median_ms"] / figures["local"]["median_ms"]
+        )
+        out["bucketddp_over_local_rounds"] = _median(
+            [
+                a / b
+                for a, b in zip(
+                    figures["bucketddp"]["round_medians_ms"],
+                    figures["local"]["round_medians_ms"],
+                    strict=True,
+                )
+            ]
+        )
+    for key in ("bucketddp_buckets", "bucketddp_bucket_mb"):
+        if key in raw:
+            out[key] = raw[key]
+    return out
+
+
+# ------------------------------------------------------------------------- output
+def _fmt_params(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.0f}K"
+
+
+def _fmt_peak(mem: dict[str, Any] | None, local: dict[str, Any] | None) -> str:
+    if mem is None:
+        return "-"
+    text = f"{mem['delta_mb']:+.0f}"
+    if local is not None and mem is not local:
+        text += f" ({mem['delta_mb'] - local['delta_mb']:+.0f})"
+    return text
+
+
+def print_time_table(
+    title: str, results: dict[str, Any], memory: dict[str, Any], *, overhead: bool = False
+) -> None:
+    """One block per model: step time, spread, exposed communication and peak memory.
+
+    ``overhead`` adds the bucketddp/local line, the figure of the world-size-1 section.
+    """
+    print(f"\n== {title}")
+    header = (
+        f"{'model':<19} {'system':<10} {'step ms':>8} {'p25-p75 ms':>13} {'x local':>8} "
+        f"{'exposed ms':>10} {'fwd':>6} {'bwd':>6} {'opt':>6} {'wait':>6} {'cpu':>6} "
+        f"{'peak MB (vs local)':>19}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, res in results.items():
+        figures = res["systems"]
+        floor = figures.get("local", {}).get("median_ms")
+        for i, (s, f) in enumerate(figures.items()):
+            label = f"{name} ({_fmt_params(res['params'])})" if i == 0 else ""
+            rel = f"{f['median_ms'] / floor:.3f}" if floor else "-"
+            exposed = f"{f['exposed_comm_ms']:+.1f}" if "exposed_comm_ms" in f else "-"
+            mem = memory.get(name, {}).get(s)
+            peak = _fmt_peak(mem, memory.get(name, {}).get("local"))
+            wait = f"{f['comm_wait_ms']:.1f}" if s == "bucketddp" else "-"
+            print(
+                f"{label:<19} {s:<10} {f['median_ms']:8.1f} "
+                f"{f['p25_ms']:6.1f}-{f['p75_ms']:<6.1f} {rel:>8} {exposed:>10} "
+                f"{f['forward_ms']:6.1f} {f['backward_ms']:6.1f} {f['optimizer_ms']:6.1f} "
+                f"{wait:>6} {f['cpu_ms']:6.1f} {peak:>19}"
+            )
+        if "ratio_of_medians" in res:
+            ratios = res["round_ratios"]
+            print(
+                f"{'':<19} bucketddp/torch_ddp: {res['ratio_of_medians']:.3f} (ratio of medians), "
+                f"{res['median_round_ratio']:.3f} (median of {len(ratios)} round ratios, "
+                f"range {min(ratios):.3f}-{max(ratios):.3f}); cpu {res['cpu_ratio']:.3f}"
+            )
+        if overhead and "bucketddp_over_local" in res:
+            print(
+                f"{'':<19} bucketddp/local: {res['bucketddp_over_local']:.3f} (ratio of medians), "
+                f"{res['bucketddp_over_local_rounds']:.3f} (median of round ratios)"
+            )
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; ``--quick`` fills in small values for the options left unset."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--rounds", type=int, help="interleaved rounds (default 12; quick 2)")
+    p.add_argument(
+        "--steps", type=int, help="timed steps per system and round (default 8; quick 3)"
+    )
+    p.add_argument("--warmup", type=int, help="untimed steps before them (default 2; quick 1)")
+    p.add_argument("--batch-size", type=int, help="per-rank batch size (default: per model)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        nargs="+",
+        choices=[1, 2],
+        default=[2, 1],
+        help="world sizes to time: 2 compares all three systems on every model, "
+        "1 measures the wrapper's overhead over the bare model (default: 2 1)",
+    )
+    p.add_argument(
+        "--ws1-models",
+        nargs="+",
+        choices=list(MODELS),
+        default=["mlp"],
+        help="models for the world-size-1 section (default: mlp)",
+    )
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    p.add_argument("--memory-steps", type=int, help="steps per memory run (default 4; quick 2)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: small rounds and steps")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"default: {DEFAULT_JSON}")
+    args = p.parse_args(argv)
+    defaults = {"rounds": (12, 2), "steps": (8, 3), "warmup": (2, 1), "memory_steps": (4, 2)}
+    for key, (full, quick) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or args.memory_steps < 1:
+        p.error("--rounds, --steps and --memory-steps must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sections the arguments ask for, print the tables and write the JSON."""
+    args = parse_args(argv)
+    cfg = Config(args.rounds, args.steps, args.warmup, args.batch_size, args.memory_steps)
+    started = time.perf_counter()
+    report: dict[str, Any] = {
+        "meta": {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "bucketddp": bucketddp.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "threads_per_rank": 1,
+            "backend": "gloo",
+            "loadavg_start": _loadavg(),
+        },
+        "config": {**asdict(cfg), "models": args.models, "world_sizes": args.world_size},
+    }
+    print(
+        f"bucketddp {bucketddp.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"load {report['meta']['loadavg_start']}; {cfg.rounds} rounds x ({cfg.warmup} warmup + "
+        f"{cfg.steps} timed steps) per system"
+    )
+
+    memory: dict[str, dict[str, Any]] = {}
+    if 2 in args.world_size and not args.no_memory:
+        for name in args.models:
+            memory[name] = {}
+            for s in SYSTEMS:
+                ranks = run_ranks(measure_memory, 2, name, s, cfg)
+                worst = max(ranks, key=lambda m: m["delta_mb"])
+                memory[name][s] = {**worst, "per_rank_delta_mb": [m["delta_mb"] for m in ranks]}
+            print(f"  memory {name}: done ({time.perf_counter() - started:.0f}s)", flush=True)
+        report["memory_world_size_2"] = memory
+
+    sections = [(2, args.models, SYSTEMS), (1, args.ws1_models, SYSTEMS)]
+    for world_size, names, systems in sections:
+        if world_size not in args.world_size:
+            continue
+        results = {}
+        for name in names:
+            raw = run_ranks(time_model, world_size, name, systems, cfg)[0]
+            results[name] = summarize(raw, systems)
+            print(
+                f"  time {name} (world size {world_size}): done "
+                f"({time.perf_counter() - started:.0f}s)",
+                flush=True,
+            )
+        report[f"world_size_{world_size}"] = results
+        mem = memory if world_size == 2 else {}
+        print_time_table(
+            f"world size {world_size}, gloo on CPU, 1 thread per rank",
+            results,
+            mem,
+            overhead=world_size == 1,
+        )
+
+    report["meta"]["loadavg_end"] = _loadavg()
+    report["meta"]["seconds"] = round(time.perf_counter() - started, 1)
+    print(
+        f"\nstep ms: median of {cfg.rounds * cfg.steps} timed steps, each the max over ranks; "
+        "exposed ms: step - local step;\n"
+        "fwd/bwd/opt: median phase times, mean over ranks; "
+        "wait: bucketddp's comm_stats.wait_seconds;\n"
+        "cpu: CPU time per step of a rank's process, all threads (median, mean over ranks); "
+        "less sensitive than step ms to other load on the machine;\n"
+        "peak MB: peak RSS growth over the built model (new processes, max over ranks), "
+        "in brackets its difference to local"
+    )
+    print(
+        f"load average {report['meta']['loadavg_start']} -> {report['meta']['loadavg_end']}; "
+        f"{report['meta']['seconds']:.0f}s in all"
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
