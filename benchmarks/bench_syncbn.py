@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_engine import run_ranks
 from torch import nn
 
 import bucketddp
+from bench_engine import run_ranks
 from bucketddp import BucketDataParallel, convert_sync_batchnorm
 from models import MODELS, loss_fn
 
