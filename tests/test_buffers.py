@@ -226,7 +226,7 @@ def test_groups_by_policy_and_dtype_in_first_appearance_order() -> None:
         BufferGroup("mean", F32, CPU, ("a", "d")),
         BufferGroup("sum", I64, CPU, ("b", "e")),
         BufferGroup("mean", F64, CPU, ("c",)),
-        BufferGroup("broadcast", F32, CPU, ("g",)),
+        BufferGroup("broadcast", None, CPU, ("g",)),
     ]
 
 
@@ -258,3 +258,12 @@ def test_issue_example_six_mean_two_sum_three_none_is_two_groups() -> None:
 def test_policy_label() -> None:
     assert policy_label("mean") == "mean"
     assert policy_label(custom) == f"{__name__}.custom"
+
+
+def test_broadcast_groups_span_dtypes() -> None:
+    resolved = {"f": "broadcast", "i": "broadcast", "d": "broadcast", "m": "max"}
+    places = {"f": (F32, CPU), "i": (I64, CPU), "d": (F64, CPU), "m": (I64, CPU)}
+    assert group_buffers(resolved, places) == [
+        BufferGroup("broadcast", None, CPU, ("f", "i", "d")),
+        BufferGroup("max", I64, CPU, ("m",)),
+    ]

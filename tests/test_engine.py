@@ -280,19 +280,34 @@ def test_shape_mismatch_names_parameter() -> None:
         assert "'weight'" in m and "[3, 4]" in m and "[4, 4]" in m
 
 
-def _initial_broadcast(rank: int, world: int) -> torch.Tensor:
+def _mixed_init() -> torch.nn.Module:
+    # Odd sizes and three dtypes (float32, float64, int64 counters) in one broadcast.
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 7).double()
+    )
+
+
+def _initial_broadcast(rank: int, world: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(rank)  # a different init on every rank
-    model = torch.nn.Linear(4, 3)
+    model = _mixed_init()
+    with torch.no_grad():
+        model[1].running_mean.fill_(rank)
+        model[1].num_batches_tracked.fill_(10 + rank)
     BucketDataParallel(model)
-    return model.weight.detach().clone()
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_parameters_start_from_rank0() -> None:
-    weights = run_ranks(_initial_broadcast, 3)
+def test_parameters_and_buffers_start_from_rank0() -> None:
+    states = run_ranks(_initial_broadcast, 3)
     torch.manual_seed(0)
-    expected = torch.nn.Linear(4, 3).weight.detach()
-    for w in weights:
-        assert torch.equal(w, expected)
+    expected = _mixed_init()
+    with torch.no_grad():
+        expected[1].running_mean.fill_(0)
+        expected[1].num_batches_tracked.fill_(10)
+    for state in states:
+        assert state.keys() == expected.state_dict().keys()
+        for k, v in expected.state_dict().items():
+            assert state[k].dtype == v.dtype and torch.equal(state[k], v), k
 
 
 def test_requires_process_group() -> None:

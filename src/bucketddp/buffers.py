@@ -40,10 +40,13 @@ _OPS = {"mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceO
 
 @dataclass(frozen=True)
 class BufferGroup:
-    """Buffers that share a policy, dtype and device: synced by one collective."""
+    """Buffers that share a policy, dtype and device: synced by one collective.
+
+    ``dtype`` is None for a ``"broadcast"`` group, which carries every dtype as bytes.
+    """
 
     policy: Policy
-    dtype: torch.dtype
+    dtype: torch.dtype | None
     device: torch.device
     names: tuple[str, ...]
 
@@ -163,16 +166,20 @@ def group_buffers(
 ) -> list[BufferGroup]:
     """Group buffers by (policy, dtype, device), in first-appearance order.
 
+    ``"broadcast"`` buffers are grouped by device alone (``dtype`` None): a broadcast copies
+    bytes, so one collective carries every dtype.
     ``"none"`` buffers form no group. A custom policy gets one group per buffer, since the
     function is called on one buffer at a time.
     """
-    groups: dict[tuple[str, torch.dtype, torch.device], list[str]] = {}
+    groups: dict[tuple[str, torch.dtype | None, torch.device], list[str]] = {}
     singles: list[BufferGroup] = []
     for name, policy in resolved.items():
         dtype, device = places[name]
         if isinstance(policy, str):
             if policy != "none":
-                groups.setdefault((policy, dtype, device), []).append(name)
+                # A broadcast moves bytes: every dtype on a device shares one collective.
+                key_dtype = None if policy == "broadcast" else dtype
+                groups.setdefault((policy, key_dtype, device), []).append(name)
         else:
             singles.append(BufferGroup(policy, dtype, device, (name,)))
     out = [BufferGroup(p, d, dev, tuple(n)) for (p, d, dev), n in groups.items()]

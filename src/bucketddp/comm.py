@@ -40,12 +40,42 @@ def _apply_flat(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Ten
     return count
 
 
+_ALIGN = 16  # bytes; every dtype's itemsize divides it, so each segment views cleanly
+
+
 def broadcast_coalesced(
     tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> int:
-    """Overwrite ``tensors`` in place with the group's rank-0 values; returns collectives used."""
+    """Overwrite ``tensors`` in place with the group's rank-0 values; returns collectives used.
+
+    A broadcast copies bytes, so tensors of every dtype on one device travel together in a
+    single uint8 buffer: one collective per device, where a per-dtype scheme needs one per
+    dtype (BatchNorm's float statistics and int64 counter, say).
+    """
     src = group_rank0(group)
-    return _apply_flat(tensors, lambda flat: dist.broadcast(flat, src=src, group=group))
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    for device, members in by_device.items():
+        offsets = []
+        total = 0
+        for t in members:
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+        for t, o in zip(members, offsets, strict=True):
+            flat[o : o + t.numel() * t.element_size()].copy_(_as_bytes(t))
+        dist.broadcast(flat, src=src, group=group)
+        with torch.no_grad():
+            for t, o in zip(members, offsets, strict=True):
+                raw = flat[o : o + t.numel() * t.element_size()]
+                t.copy_(raw.view(t.dtype).view(t.shape))
+    return len(by_device)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
 
 
 def all_reduce_coalesced(
