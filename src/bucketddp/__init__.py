@@ -1,16 +1,21 @@
 """bucketddp: a bucketed data-parallel gradient reducer for PyTorch and a Lightning strategy.
 
 ``import bucketddp`` never imports Lightning's trainer machinery: ``BucketDDP`` is loaded
-on first access.
+on first access, and the strategy names ("bucket_ddp", ...) are registered with Lightning
+as soon as Lightning itself is imported (see ``_registry.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from . import _registry
 from .buckets import Bucket, BucketPlan
 from .parallel import BucketDataParallel
 from .reducer import CommStats
+
+if TYPE_CHECKING:
+    from .strategy import BucketDDP
 
 __version__ = "0.1.0.dev0"
 
@@ -28,11 +33,20 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "BucketDDP":
-        from .strategy import BucketDDP
-
+        try:
+            from .strategy import BucketDDP
+        except ModuleNotFoundError as err:
+            if err.name is None or not err.name.startswith("lightning"):
+                raise
+            raise ImportError(
+                "bucketddp.BucketDDP needs Lightning: pip install 'bucketddp[lightning]'"
+            ) from err
         return BucketDDP
     if name in ("SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"):
         from . import syncbn
 
         return getattr(syncbn, name)
     raise AttributeError(f"module 'bucketddp' has no attribute {name!r}")
+
+
+_registry.install()

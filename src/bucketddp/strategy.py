@@ -1,0 +1,348 @@
+"""BucketDDP: the Lightning strategy, a drop-in for ``Trainer(strategy="ddp")``.
+
+It is Lightning's own ``DDPStrategy`` (launchers, cluster environments, process group set-up,
+barrier, reduce, broadcast and checkpoint IO are all inherited) with one change of wrapper:
+while fitting, the LightningModule is wrapped in ``BucketDataParallel`` instead of torch's
+``DistributedDataParallel``. What follows from the change lives here too:
+
+- gradient accumulation and ``toggle_model(sync_grad=False)`` skip communication through
+  ``BucketDataParallel.no_sync``;
+- buffers are synced by their policies before validation, before a checkpoint is written
+  and at the end of fit;
+- the learned bucket order travels in the checkpoint under ``checkpoint["bucketddp"]``;
+- ``sync_batchnorm`` converts BatchNorm layers to ``bucketddp.SyncBatchNorm``, which also
+  works on CPU/gloo, and converts them back at teardown.
+
+This is the only module of the package that imports Lightning.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug
+from torch.distributed.constants import default_pg_timeout
+from torch.nn import Module
+from typing_extensions import override
+
+from .buffers import Policy, resolve_policies
+from .parallel import BucketDataParallel
+from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
+
+# Private Lightning names this module depends on, listed in one place so that a Lightning
+# release that changes one is found here first:
+# - ``_StrategyRegistry`` (imported below, for an annotation only);
+# - DDPStrategy's ``_ddp_kwargs`` (the wrapper's keyword arguments, passed through),
+#   ``_layer_sync`` (the SyncBatchNorm plugin the accelerator connector assigns) and
+#   ``_setup_model`` (the hook that wraps the module), all overridden or read below.
+if TYPE_CHECKING:
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+    from lightning.pytorch.accelerators import Accelerator
+    from lightning.pytorch.plugins.precision import Precision
+
+__all__ = ["BucketDDP", "BucketSyncBatchNorm"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "bucketddp"
+"""The checkpoint entry BucketDDP adds: ``{"bucket_order": [parameter names]}``."""
+
+
+class BucketSyncBatchNorm(LayerSync):
+    """Lightning's LayerSync plugin with ``bucketddp.SyncBatchNorm``: works on every backend.
+
+    ``BucketDDP`` puts it in place of Lightning's ``TorchSyncBatchNorm`` whenever
+    ``Trainer(sync_batchnorm=True)`` or ``BucketDDP(sync_batchnorm=True)`` is set; it can
+    also be passed directly as ``Trainer(plugins=[BucketSyncBatchNorm()])``.
+    """
+
+    @override
+    def apply(self, model: Module) -> Module:
+        """Replace every BatchNorm layer in ``model`` by ``bucketddp.SyncBatchNorm``."""
+        return convert_sync_batchnorm(model)
+
+    @override
+    def revert(self, model: Module) -> Module:
+        """Give every converted layer its original BatchNorm class back."""
+        return revert_sync_batchnorm(model)
+
+
+class BucketDDP(DDPStrategy):
+    """Lightning's DDP strategy with bucketddp's gradient reducer and buffer policies.
+
+    ``Trainer(strategy=BucketDDP())`` trains like ``Trainer(strategy="ddp")``, with the same
+    launchers and cluster environments (subprocess, spawn, torchrun, SLURM), and gets
+    ``BucketDataParallel``'s reducer, a sync policy per buffer and a SyncBatchNorm that
+    works on CPU. Outside of fit (validate, test, predict) no wrapper is attached and the
+    parameters and buffers are broadcast from rank 0, as with ``DDPStrategy``.
+
+    Args:
+        bucket_cap_mb: a gradient bucket is launched once it holds this many MB.
+        first_bucket_mb: the cap of the first bucket, small so communication starts early.
+        find_unused_parameters: allow parameters that get no gradient in a step.
+        gradient_as_bucket_view: make each ``param.grad`` a view into its bucket.
+        broadcast_buffers: torch DDP's switch; False means ``default_buffer_policy="none"``.
+        buffer_sync: a policy per buffer name or fnmatch pattern; overrides the module's
+            ``configure_buffer_sync()`` for the same key.
+        default_buffer_policy: the policy of buffers no rule names ("broadcast" if None).
+        sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm`` while
+            fitting, as ``Trainer(sync_batchnorm=True)`` does.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+        process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
+
+    Raises:
+        ValueError: a bucket size that is not positive, or an unknown default policy.
+    """
+
+    def __init__(
+        self,
+        *,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = True,
+        broadcast_buffers: bool = True,
+        buffer_sync: Mapping[str, Policy] | None = None,
+        default_buffer_policy: Policy | None = None,
+        sync_batchnorm: bool = False,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[Any] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
+            raise ValueError(
+                f"bucket_cap_mb ({bucket_cap_mb}) and first_bucket_mb ({first_bucket_mb}) "
+                "must be positive"
+            )
+        if default_buffer_policy is not None:
+            resolve_policies({}, default=default_buffer_policy)  # raises on a bad name
+        # Set before DDPStrategy.__init__, which assigns ``_layer_sync`` (our property).
+        self._sync_batchnorm = sync_batchnorm
+        # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``; ours are
+        # BucketDataParallel's, and ``_setup_model`` passes them on.
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers,
+            buffer_sync=dict(buffer_sync) if buffer_sync is not None else None,
+            default_buffer_policy=default_buffer_policy,
+        )
+        # The order from a loaded checkpoint, until the wrapper adopts it.
+        self._saved_bucket_order: list[str] | None = None
+        # The order the last fit learned, for checkpoints saved after fit.
+        self._learned_bucket_order: list[str] | None = None
+
+    # ------------------------------------------------------------------ SyncBatchNorm
+    # The accelerator connector assigns ``strategy._layer_sync`` after construction: Lightning's
+    # TorchSyncBatchNorm for ``Trainer(sync_batchnorm=True)`` and None otherwise. A property
+    # lets the strategy put its own plugin in place of the first, and keep
+    # ``BucketDDP(sync_batchnorm=True)`` in force over the second.
+    @property
+    def _layer_sync(self) -> LayerSync | None:
+        return self._bucket_layer_sync
+
+    @_layer_sync.setter
+    def _layer_sync(self, plugin: LayerSync | None) -> None:
+        if type(plugin) is TorchSyncBatchNorm or (plugin is None and self._sync_batchnorm):
+            plugin = BucketSyncBatchNorm()
+        self._bucket_layer_sync = plugin
+
+    # ------------------------------------------------------------------ process group
+    @override
+    def setup_distributed(self) -> None:
+        existed = dist.is_available() and dist.is_initialized()
+        super().setup_distributed()
+        if not existed and dist.is_initialized():
+            _destroy_at_exit(dist.group.WORLD)
+
+    # ------------------------------------------------------------------- wrapping
+    @override
+    def _setup_model(self, model: Module) -> BucketDataParallel:  # type: ignore[override]
+        """Wrap ``model`` in ``BucketDataParallel`` with this strategy's options."""
+        log.debug(
+            "%s: wrapping the model in BucketDataParallel(%s)",
+            type(self).__name__,
+            self._ddp_kwargs,
+        )
+        return BucketDataParallel(model, **self._ddp_kwargs)
+
+    @override
+    def configure_ddp(self) -> None:
+        """Wrap the LightningModule and adopt the bucket order of a loaded checkpoint."""
+        assert isinstance(self.model, LightningModule)
+        wrapped = self._setup_model(self.model)
+        self.model = wrapped
+        self._learned_bucket_order = None
+        order, self._saved_bucket_order = self._saved_bucket_order, None
+        if order is not None:
+            _adopt_bucket_order(wrapped, order)
+
+    @property
+    def _wrapped(self) -> BucketDataParallel | None:
+        return self.model if isinstance(self.model, BucketDataParallel) else None
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulate gradients locally: used for ``accumulate_grad_batches`` and
+        ``toggle_model(sync_grad=False)``."""
+        wrapped = self._wrapped
+        if wrapped is None:
+            yield
+            return
+        with wrapped.no_sync():
+            yield
+
+    # ---------------------------------------------------------------- buffer syncs
+    @override
+    def on_validation_start(self) -> None:
+        """Sync buffers by their policies, so every rank validates the same model."""
+        if (wrapped := self._wrapped) is not None:
+            wrapped.sync_buffers()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        """Sync buffers by their policies, so every rank tests the same model."""
+        if (wrapped := self._wrapped) is not None:
+            wrapped.sync_buffers()
+        super().on_test_start()
+
+    @override
+    def on_train_end(self) -> None:
+        """Sync buffers once more, so the module the user holds after fit agrees."""
+        if (wrapped := self._wrapped) is not None:
+            wrapped.sync_buffers()
+        super().on_train_end()
+
+    # ---------------------------------------------------------------- checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict (no wrapper prefix), with buffers synced first.
+
+        Every rank takes part in checkpointing, so the sync is a collective like any other;
+        ``"none"`` buffers are written from rank 0's copy, as rank 0 writes the file.
+        """
+        if (wrapped := self._wrapped) is not None:
+            wrapped.sync_buffers()
+        return super().lightning_module_state_dict()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Add the learned bucket order under ``checkpoint["bucketddp"]`` and save on rank 0."""
+        wrapped = self._wrapped
+        order = wrapped.bucket_order if wrapped is not None else self._learned_bucket_order
+        if order is not None:
+            checkpoint[CHECKPOINT_KEY] = {"bucket_order": order}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load the weights, and the checkpoint's bucket order for the wrapper.
+
+        Lightning loads before ``setup``, so the order is kept until ``configure_ddp`` wraps
+        the model; a load into an already wrapped model adopts it at once.
+        """
+        order = (checkpoint.get(CHECKPOINT_KEY) or {}).get("bucket_order")
+        super().load_model_state_dict(checkpoint, strict=strict)
+        wrapped = self._wrapped
+        if wrapped is None:
+            self._saved_bucket_order = order
+            return
+        # The loaded "sum" buffers are the agreed totals from here on.
+        wrapped.buffers_sync.reset_baseline()
+        if order is not None:
+            _adopt_bucket_order(wrapped, order)
+
+    # -------------------------------------------------------------------- teardown
+    @override
+    def teardown(self) -> None:
+        """Unwrap the model and remove the reducer's hooks, so the user's module is plain;
+        DDPStrategy's teardown then reverts SyncBatchNorm and moves the model to CPU."""
+        if (wrapped := self._wrapped) is not None:
+            self._learned_bucket_order = wrapped.bucket_order
+            wrapped.remove_hooks()
+            self.model = self.lightning_module
+        self._saved_bucket_order = None
+        super().teardown()
+
+    # ------------------------------------------------------------------- registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register "bucket_ddp", "bucket_ddp_spawn" and
+        "bucket_ddp_find_unused_parameters_true"."""
+        entries: list[tuple[str, str, dict[str, Any]]] = [
+            ("bucket_ddp", "BucketDDP, processes started as scripts", {}),
+            ("bucket_ddp_spawn", "BucketDDP, processes spawned", {"start_method": "spawn"}),
+            (
+                "bucket_ddp_find_unused_parameters_true",
+                "BucketDDP with find_unused_parameters=True",
+                {"find_unused_parameters": True},
+            ),
+        ]
+        for name, description, params in entries:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **params)
+
+
+def _adopt_bucket_order(wrapped: BucketDataParallel, order: list[str]) -> None:
+    if wrapped.load_bucket_order(order):
+        rank_zero_debug("BucketDDP: restored the learned bucket order from the checkpoint")
+    else:
+        rank_zero_debug(
+            "BucketDDP: the checkpoint's bucket order names other parameters than the model "
+            "has; the order is learned again in the first backward pass"
+        )
+
+
+# The default group BucketDDP created in this process, destroyed when the interpreter exits.
+# Not at teardown: a later trainer.test() or a new Trainer in the same script reuses the
+# group, as with DDPStrategy, and re-creating one over the same address races with ranks
+# still holding the old one. A gloo group left alive into interpreter shutdown is what
+# makes Lightning runs end in "terminate called without an active exception" (SIGABRT).
+_created_group: dist.ProcessGroup | None = None
+
+
+def _destroy_at_exit(group: dist.ProcessGroup | None) -> None:
+    global _created_group
+    if _created_group is None:
+        atexit.register(_destroy_created_group)
+    _created_group = group
+
+
+def _destroy_created_group() -> None:
+    global _created_group
+    group, _created_group = _created_group, None
+    if group is not None and dist.is_initialized() and dist.group.WORLD is group:
+        dist.destroy_process_group()
+
+
+BucketDDP.register_strategies(StrategyRegistry)

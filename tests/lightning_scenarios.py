@@ -1,0 +1,341 @@
+"""Lightning runs for tests/test_strategy.py, each a standalone script.
+
+    python tests/lightning_scenarios.py SCENARIO OUT_DIR [CHECKPOINT]
+
+A scenario builds ``Trainer(accelerator="cpu", devices=N, ...)`` and lets Lightning's own
+launcher start the other ranks (it re-runs this script with the same arguments), exactly
+as a user's training script runs. Every rank saves what it observed to
+``OUT_DIR/<scenario>.rank<R>.pt``; the test reads those files. One scenario runs several
+Trainers one after another in the same processes, so that one launch checks many things.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import bucketddp
+from bucketddp import BucketDDP
+from lightning_models import (
+    GAN,
+    MLP,
+    QUIET,
+    Boring,
+    CountAllReduces,
+    Counting,
+    GradNorms,
+    Normed,
+    Observe,
+    RecordingCheckpointIO,
+    SyncedBatches,
+    Transformer,
+    Unused,
+    Zero,
+    hook_count,
+    weights,
+)
+
+torch.set_num_threads(1)
+
+
+def _fit(
+    strategy: Any,
+    make: Callable[[], pl.LightningModule],
+    *,
+    seed: int = 0,
+    devices: int = 2,
+    **trainer_kwargs: Any,
+) -> tuple[pl.Trainer, pl.LightningModule]:
+    pl.seed_everything(seed, verbose=False)
+    model = make()
+    options = {**QUIET, "devices": devices, "strategy": strategy, **trainer_kwargs}
+    trainer = pl.Trainer(**options)
+    trainer.fit(model)
+    return trainer, model
+
+
+# ----------------------------------------------------------------------------- swap
+def swap(out: Path) -> dict[str, Any]:
+    """The same runs under strategy="ddp" and BucketDDP: the weights must match."""
+    result: dict[str, Any] = {}
+    fit = functools.partial(_fit, limit_val_batches=0)
+    runs: list[tuple[str, Callable[[], pl.LightningModule], dict[str, Any]]] = [
+        ("boring", Boring, {"max_steps": 6}),
+        ("boring_acc2", Boring, {"max_steps": 3, "accumulate_grad_batches": 2}),
+        ("boring_bf16", Boring, {"max_steps": 4, "precision": "bf16-mixed"}),
+        ("transformer", Transformer, {"max_steps": 3}),
+        ("transformer_acc2", Transformer, {"max_steps": 2, "accumulate_grad_batches": 2}),
+    ]
+    for name, make, kwargs in runs:
+        pl.seed_everything(0, verbose=False)
+        result[f"{name}/init"] = weights(make())
+        for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP(bucket_cap_mb=0.5))):
+            _, model = fit(strategy, make, **kwargs)
+            result[f"{name}/{label}"] = weights(model)
+    # Clipping must see the reduced gradients: the norms agree across ranks and with "ddp".
+    for label, strategy in (("ddp", "ddp"), ("bucket", "bucket_ddp")):
+        norms = GradNorms()
+        _, model = fit(strategy, Boring, max_steps=4, gradient_clip_val=0.05, callbacks=[norms])
+        result[f"clip/{label}"] = weights(model)
+        result[f"clip_norms/{label}"] = norms.norms
+    # Manual optimization, two optimizers, toggle_model(sync_grad=...) accumulation.
+    for label, strategy in (
+        ("ddp", "ddp_find_unused_parameters_true"),
+        ("bucket", "bucket_ddp_find_unused_parameters_true"),
+    ):
+        synced = SyncedBatches()
+        _, model = fit(strategy, GAN, max_steps=8, callbacks=[synced])
+        result[f"gan/{label}"] = weights(model)
+        result[f"gan_synced/{label}"] = synced.batches
+    # accumulate_grad_batches=2 communicates once per two batches: count the all-reduces.
+    for acc in (1, 2):
+        count, synced = CountAllReduces(), SyncedBatches()
+        fit(
+            BucketDDP(bucket_cap_mb=0.01, first_bucket_mb=0.01),
+            MLP,
+            max_steps=8 // acc,
+            accumulate_grad_batches=acc,
+            callbacks=[count, synced],
+        )
+        result[f"allreduces/acc{acc}"] = count.count
+        result[f"synced/acc{acc}"] = synced.batches
+        result[f"buckets/acc{acc}"] = count.buckets
+    return result
+
+
+# ------------------------------------------------------------------------ lifecycle
+def lifecycle(out: Path) -> dict[str, Any]:
+    """Fit with checkpoints, resume, validate/test/predict, SyncBatchNorm and errors."""
+    result: dict[str, Any] = {}
+    ckpt_dir = out / "checkpoints"
+
+    # 1. Eight steps straight.
+    observe = Observe()
+    trainer, model = _fit(
+        BucketDDP(),
+        Counting,
+        max_steps=8,
+        callbacks=[observe],
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+    )
+    result["straight"] = weights(model)
+    result["straight_optimizer"] = trainer.optimizers[0].state_dict()
+    result["after_fit"] = {
+        "is_plain": trainer.strategy.model is model,
+        "hooks": hook_count(model),
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+    }
+
+    # 2. Validate, test and predict with the same trainer and module: no wrapper attached.
+    result["validate"] = trainer.validate(model, verbose=False)
+    result["test"] = trainer.test(model, verbose=False)
+    trainer.predict(model)
+    result["observed"] = observe.seen
+    result["eval_hooks"] = hook_count(model)
+
+    # 3. The same eight steps with a checkpoint every four, through the registered name.
+    checkpoint = ModelCheckpoint(
+        dirpath=ckpt_dir, every_n_train_steps=4, save_top_k=-1, filename="{step}"
+    )
+    trainer, model = _fit(
+        "bucket_ddp",
+        Counting,
+        max_steps=8,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        enable_checkpointing=True,
+        callbacks=[checkpoint],
+        plugins=[RecordingCheckpointIO(str(out))],
+    )
+    result["checkpointed"] = weights(model)
+    step4 = ckpt_dir / "step=4.ckpt"
+
+    # 4. Resume from step 4 to step 8 with BucketDDP, then with torch DDP.
+    observe = Observe()
+    pl.seed_everything(0, verbose=False)
+    model = Counting()
+    trainer = pl.Trainer(
+        **QUIET,
+        devices=2,
+        strategy=BucketDDP(),
+        max_steps=8,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        callbacks=[observe],
+    )
+    trainer.fit(model, ckpt_path=step4)
+    result["resumed"] = weights(model)
+    result["resumed_optimizer"] = trainer.optimizers[0].state_dict()
+    result["resume_observed"] = observe.seen
+
+    pl.seed_everything(0, verbose=False)
+    model = Counting(policies=False)
+    trainer = pl.Trainer(
+        **QUIET, devices=2, strategy="ddp", max_steps=8, limit_val_batches=2, num_sanity_val_steps=0
+    )
+    trainer.fit(model, ckpt_path=step4)
+    result["resumed_torch_ddp"] = weights(model)
+
+    # 5. SyncBatchNorm through Trainer(sync_batchnorm=True) and through BucketDDP's flag.
+    for label, strategy, flag in (
+        ("trainer_flag", BucketDDP(), True),
+        ("strategy_flag", BucketDDP(sync_batchnorm=True), False),
+    ):
+        observe = Observe()
+        trainer, model = _fit(
+            strategy, Normed, max_steps=4, sync_batchnorm=flag, callbacks=[observe]
+        )
+        after = sorted(
+            type(m).__name__
+            for m in model.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        )
+        trainer.predict(model)  # outside of fit nothing is converted
+        result[f"syncbn/{label}"] = {
+            "during": observe.seen["train_start"]["norm_layers"],
+            "after": after,
+            "predict": observe.seen["predict"]["norm_layers"],
+            "state": weights(model),
+        }
+
+    # 6. ZeroRedundancyOptimizer, and a checkpoint saved after fit by every rank's call.
+    trainer, model = _fit(BucketDDP(), Zero, max_steps=2, limit_val_batches=0)
+    path = trainer.strategy.broadcast(str(out / "after_fit.ckpt"))
+    trainer.save_checkpoint(path)
+    result["zero"] = {"weights": weights(model), "path": path}
+
+    # 7. The strategy's buffer options pass through and beat the module's hook.
+    _, model = _fit(
+        BucketDDP(buffer_sync={"seen": "max"}, default_buffer_policy="none"),
+        Counting,
+        max_steps=2,
+        limit_val_batches=0,
+    )
+    result["strategy_policies"] = weights(model)
+
+    # 8. An unused parameter: the engine's error reaches the user intact, on every rank.
+    try:
+        _fit(BucketDDP(), Unused, max_steps=2, limit_val_batches=0)
+        result["unused_error"] = None
+    except RuntimeError as err:
+        result["unused_error"] = str(err)
+
+    result["rank"] = trainer.global_rank
+    return result
+
+
+# -------------------------------------------------------------------- other world sizes
+def resume_elsewhere(out: Path, checkpoint: str) -> dict[str, Any]:
+    """Resume a world-size-2 step-4 checkpoint to step 8 on SCENARIO_DEVICES processes
+    (default 1), and again from a copy whose bucket order names other parameters."""
+    devices = int(os.environ.get("SCENARIO_DEVICES", "1"))
+    result: dict[str, Any] = {}
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.DEBUG)
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(Keep())
+
+    for label, path in (("same_params", checkpoint), ("other_params", _tampered(out, checkpoint))):
+        observe = Observe()
+        pl.seed_everything(0, verbose=False)
+        model = Counting()
+        trainer = pl.Trainer(
+            **QUIET,
+            devices=devices,
+            strategy=BucketDDP(),
+            max_steps=8,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            callbacks=[observe],
+        )
+        trainer.fit(model, ckpt_path=path)
+        result[label] = {
+            "order": observe.seen["train_start"]["bucket_order"],
+            "global_step": trainer.global_step,
+            "seen": int(model.seen),
+            "weights": weights(model),
+        }
+    result["log"] = records
+    result["world_size"] = trainer.world_size
+    return result
+
+
+def _tampered(out: Path, checkpoint: str) -> str:
+    path = out / f"tampered.rank{os.environ.get('LOCAL_RANK', '0')}.ckpt"
+    ckpt = torch.load(checkpoint, weights_only=False)
+    ckpt["bucketddp"]["bucket_order"] = ckpt["bucketddp"]["bucket_order"][1:]
+    torch.save(ckpt, path)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- spawn
+def spawn(out: Path) -> dict[str, Any]:
+    """Fit through "bucket_ddp_spawn"; the main process gets rank 0's weights back.
+
+    This is the swap scenario's "boring" run, so the test compares the weights with its
+    strategy="ddp" ones.
+    """
+    trainer, model = _fit("bucket_ddp_spawn", Boring, max_steps=6, limit_val_batches=0)
+    return {"bucket": weights(model), "bucket/strategy": type(trainer.strategy).__name__}
+
+
+# --------------------------------------------------------------------------- torchrun
+def torchrun(out: Path) -> dict[str, Any]:
+    """One process per "node", started by torchrun; Lightning's TorchElastic environment."""
+    observe = Observe()
+    trainer, model = _fit(
+        BucketDDP(),
+        Counting,
+        devices=1,
+        num_nodes=2,
+        max_steps=4,
+        limit_val_batches=0,
+        callbacks=[observe],
+    )
+    return {
+        "environment": type(trainer.strategy.cluster_environment).__name__,
+        "world_size": trainer.world_size,
+        "node_rank": trainer.node_rank,
+        "seen": int(model.seen),
+        "state": observe.seen["train_start"]["state"],
+        "weights": weights(model),
+        "rank": trainer.global_rank,
+    }
+
+
+SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
+    "swap": swap,
+    "lifecycle": lifecycle,
+    "resume_elsewhere": resume_elsewhere,
+    "spawn": spawn,
+    "torchrun": torchrun,
+}
+
+
+def main() -> None:
+    name, out, *extra = sys.argv[1:]
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = SCENARIOS[name](out_dir, *extra)
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    where = "main" if name == "spawn" else f"rank{rank}"
+    torch.save(result, out_dir / f"{name}.{where}.pt")
+    assert bucketddp.__version__
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,477 @@
+"""BucketDDP under Lightning, on real multi-process runs.
+
+Each multi-process check runs a scenario of tests/lightning_scenarios.py as a script, so that
+Lightning's own launchers (subprocess, spawn, torchrun) start the ranks just as they do for
+a user's training script. A scenario runs several Trainers in the same processes and every
+rank saves what it saw; the tests below read those results. The ground truth is Lightning's
+own ``strategy="ddp"`` on the same seed, and, for resume, the run that never stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from packaging.version import Version
+
+from multirank import free_port
+
+lightning = pytest.importorskip("lightning")
+
+TESTS = Path(__file__).resolve().parent
+SCENARIOS = TESTS / "lightning_scenarios.py"
+ROOT = TESTS.parent
+ADDED_PER_STEP = 3  # lightning_models.ADDED_PER_STEP, without importing Lightning here
+
+
+def run_script(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> str:
+    """Run ``cmd`` in a session of its own and wait for every process it started.
+
+    The output pipe reaches EOF only once the ranks a launcher started have exited too, so
+    their exit is checked as well: no run may end in "terminate called" (SIGABRT).
+    """
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{cmd[1:3]} did not finish within {timeout:.0f}s:\n{_tail(out)}")
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, f"{cmd[1:3]} exited with {proc.returncode}:\n{_tail(out)}"
+    assert "terminate called" not in text, _tail(out)
+    return text
+
+
+def _tail(out: bytes, n: int = 6000) -> str:
+    return out.decode(errors="replace")[-n:]
+
+
+def scenario(
+    name: str, out: Path, *extra: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Run one scenario; returns what each rank saved, in rank order."""
+    run_script([sys.executable, str(SCENARIOS), name, str(out), *extra], timeout=timeout, env=env)
+    files = sorted(out.glob(f"{name}.rank*.pt"))
+    assert files, f"scenario {name} saved no results in {out}"
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+def assert_same(
+    a: dict[str, torch.Tensor],
+    b: dict[str, torch.Tensor],
+    tol: float = 0.0,
+    skip: tuple[str, ...] = (),
+) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        if any(s in name for s in skip):
+            continue
+        x, y = a[name].double(), b[name].double()
+        worst = float((x - y).abs().max()) if x.numel() else 0.0
+        assert worst <= tol, f"{name} differs by {worst:.3g}"
+
+
+def moved(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(a[n], b[n]) for n in a if a[n].is_floating_point())
+
+
+# ------------------------------------------------------------------ in-process checks
+def test_registered_names_construct_the_strategy() -> None:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from bucketddp import BucketDDP
+
+    expected = {
+        "bucket_ddp": ("popen", False),
+        "bucket_ddp_spawn": ("spawn", False),
+        "bucket_ddp_find_unused_parameters_true": ("popen", True),
+    }
+    for name, (start_method, unused) in expected.items():
+        assert name in StrategyRegistry
+        strategy = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False).strategy
+        assert type(strategy) is BucketDDP
+        assert strategy._start_method == start_method
+        assert strategy._ddp_kwargs["find_unused_parameters"] is unused
+
+
+def test_options_pass_through_and_bad_ones_fail_early() -> None:
+    from datetime import timedelta
+
+    from bucketddp import BucketDDP
+
+    s = BucketDDP(
+        bucket_cap_mb=4,
+        first_bucket_mb=0.5,
+        gradient_as_bucket_view=False,
+        buffer_sync={"*.running_*": "mean"},
+        default_buffer_policy="none",
+        process_group_backend="gloo",
+        timeout=timedelta(seconds=30),
+    )
+    assert s._ddp_kwargs == {
+        "bucket_cap_mb": 4,
+        "first_bucket_mb": 0.5,
+        "find_unused_parameters": False,
+        "gradient_as_bucket_view": False,
+        "broadcast_buffers": True,
+        "buffer_sync": {"*.running_*": "mean"},
+        "default_buffer_policy": "none",
+    }
+    assert s.process_group_backend == "gloo"
+    assert s._timeout == timedelta(seconds=30)
+    with pytest.raises(ValueError, match="must be positive"):
+        BucketDDP(bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="unknown buffer policy 'avg'"):
+        BucketDDP(default_buffer_policy="avg")
+
+
+def test_sync_batchnorm_uses_our_layer_sync_plugin() -> None:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins import LayerSync
+
+    from bucketddp import BucketDDP
+    from bucketddp.strategy import BucketSyncBatchNorm
+
+    def layer_sync(**kwargs: Any) -> object:
+        trainer = Trainer(accelerator="cpu", devices=2, logger=False, **kwargs)
+        return trainer.strategy._layer_sync
+
+    assert layer_sync(strategy=BucketDDP()) is None
+    assert isinstance(layer_sync(strategy=BucketDDP(), sync_batchnorm=True), BucketSyncBatchNorm)
+    assert isinstance(layer_sync(strategy=BucketDDP(sync_batchnorm=True)), BucketSyncBatchNorm)
+
+    class Mine(LayerSync):
+        def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+            return model
+
+        def revert(self, model: torch.nn.Module) -> torch.nn.Module:
+            return model
+
+    assert isinstance(layer_sync(strategy=BucketDDP(), plugins=[Mine()]), Mine)
+
+
+IMPORT_CHECKS = {
+    "bucketddp first": """
+        import sys, bucketddp
+        assert not [m for m in sys.modules if m.startswith("lightning")]
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.strategies import StrategyRegistry
+        assert {"bucket_ddp", "bucket_ddp_spawn",
+                "bucket_ddp_find_unused_parameters_true"} <= set(StrategyRegistry)
+        assert type(Trainer(strategy="bucket_ddp", logger=False).strategy) is bucketddp.BucketDDP
+        # The import hook leaves Lightning's own loader in place, and removes itself.
+        import lightning.pytorch as lp
+        assert "Registering" not in type(lp.__loader__).__name__
+        assert not [f for f in sys.meta_path if "Lightning" in type(f).__name__]
+    """,
+    "lightning first": """
+        import lightning
+        import bucketddp
+        from lightning.pytorch.strategies import StrategyRegistry
+        assert "bucket_ddp_spawn" in StrategyRegistry
+    """,
+    "without lightning": """
+        import sys
+        sys.modules["lightning"] = None  # as if Lightning were not installed
+        import torch, bucketddp
+        assert bucketddp.BucketDataParallel and bucketddp.convert_sync_batchnorm
+        try:
+            bucketddp.BucketDDP
+        except ImportError as err:
+            assert "pip install" in str(err), err
+        else:
+            raise AssertionError("BucketDDP without Lightning should raise ImportError")
+    """,
+}
+
+
+@pytest.mark.parametrize("order", list(IMPORT_CHECKS))
+def test_import_order(order: str) -> None:
+    run_script([sys.executable, "-c", textwrap.dedent(IMPORT_CHECKS[order])], timeout=120)
+
+
+# ------------------------------------------------------------- swap-in against "ddp"
+@pytest.fixture(scope="module")
+def swap(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return scenario("swap", tmp_path_factory.mktemp("swap"))
+
+
+@pytest.mark.parametrize(
+    "run", ["boring", "boring_acc2", "boring_bf16", "transformer", "transformer_acc2"]
+)
+def test_swap_in_gives_the_weights_of_ddp(swap: list[dict[str, Any]], run: str) -> None:
+    for rank in swap:
+        assert moved(rank[f"{run}/init"], rank[f"{run}/ddp"]), "the run did not train"
+        assert_same(rank[f"{run}/ddp"], rank[f"{run}/bucket"], tol=1e-6)
+
+
+def test_gradient_clipping_sees_reduced_gradients(swap: list[dict[str, Any]]) -> None:
+    # Clipping at 0.05 acts on every step; the norms it saw agree across ranks (reduced)
+    # and with Lightning's DDP, and so do the weights.
+    r0, r1 = swap
+    assert r0["clip_norms/bucket"] == r1["clip_norms/bucket"]
+    assert r0["clip_norms/bucket"] == pytest.approx(r0["clip_norms/ddp"], rel=1e-6)
+    assert min(r0["clip_norms/bucket"]) > 0.05
+    assert_same(r0["clip/ddp"], r0["clip/bucket"], tol=1e-6)
+
+
+def test_accumulation_communicates_once_per_k_batches(swap: list[dict[str, Any]]) -> None:
+    for rank in swap:
+        buckets = rank["buckets/acc1"]
+        assert buckets >= 2
+        # Eight batches either way: eight synced steps, or four.
+        assert rank["allreduces/acc1"] == 8 * buckets
+        assert rank["allreduces/acc2"] == 4 * buckets
+        assert rank["synced/acc1"] == list(range(8))
+        assert rank["synced/acc2"] == [1, 3, 5, 7]
+
+
+def test_manual_optimization_with_toggle_model(swap: list[dict[str, Any]]) -> None:
+    for rank in swap:
+        assert_same(rank["gan/ddp"], rank["gan/bucket"], tol=1e-6)
+        # toggle_model(sync_grad=False) on even batches: only odd batches communicate.
+        assert rank["gan_synced/bucket"] == [1, 3, 1, 3]
+
+
+# ------------------------------------------------------------- fit, checkpoint, resume
+@pytest.fixture(scope="module")
+def lifecycle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("lifecycle")
+    return out, scenario("lifecycle", out)
+
+
+def test_fit_wraps_and_teardown_unwraps(lifecycle: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, ranks = lifecycle
+    for r in ranks:
+        seen = r["observed"]
+        assert seen["setup_wrapper"] == "Counting"  # LightningModule.setup: not wrapped yet
+        assert seen["train_start"]["wrapper"] == "BucketDataParallel"
+        assert seen["fit_validation"]["wrapper"] == "BucketDataParallel"
+        # Outside of fit no reducer is attached, as with DDPStrategy.
+        for stage in ("validate", "test", "predict"):
+            assert seen[stage]["wrapper"] == "Counting", stage
+        assert r["after_fit"]["is_plain"]
+        assert r["after_fit"]["hooks"] == 0
+        assert r["eval_hooks"] == 0
+
+
+def test_ranks_agree_in_validation_test_and_predict(
+    lifecycle: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    r0, r1 = lifecycle[1]
+    for stage in ("fit_validation", "validate", "test", "predict"):
+        assert torch.equal(r0["observed"][stage]["state"], r1["observed"][stage]["state"]), stage
+
+
+def test_sync_dist_logs_and_torchmetrics_are_global(
+    lifecycle: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    # Two validation batches per rank, each logging rank + 1: a global sum of 2*1 + 2*2.
+    for r in lifecycle[1]:
+        assert r["after_fit"]["metrics"] == {"val_rank_sum": 6.0, "val_total": 6.0}
+        assert r["validate"] == [{"val_rank_sum": 6.0, "val_total": 6.0}]
+        assert r["test"] == [{"val_rank_sum": 6.0, "val_total": 6.0}]
+
+
+def test_checkpoint_is_written_by_rank0_without_wrapper_prefixes(
+    lifecycle: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    from lightning_models import Counting
+
+    out, ranks = lifecycle
+    assert (out / "writers.txt").read_text().split() == ["0", "0"]  # steps 4 and 8
+    ckpt = torch.load(out / "checkpoints" / "step=4.ckpt", weights_only=False)
+    assert not [k for k in ckpt["state_dict"] if k.startswith("module.")]
+    # The learned order travels with the checkpoint.
+    order = ranks[0]["observed"]["fit_validation"]["bucket_order"]
+    assert order and ckpt["bucketddp"] == {"bucket_order": order}
+    # Buffers were synced before saving: the "sum" counter holds the global total, the
+    # "none" buffer is rank 0's copy.
+    assert int(ckpt["state_dict"]["seen"]) == 2 * ADDED_PER_STEP * 4
+    assert float(ckpt["state_dict"]["local_mark"]) == 1.0
+    # It loads into a plain LightningModule, strictly.
+    plain = Counting.load_from_checkpoint(out / "checkpoints" / "step=4.ckpt")
+    assert_same(plain.state_dict(), ckpt["state_dict"])
+
+
+@pytest.mark.skipif(
+    Version(lightning.__version__) < Version("2.5"),
+    reason="Lightning 2.4 resumes every_n_train_steps checkpoints inexactly, for 'ddp' too",
+)
+def test_resume_is_exact(lifecycle: tuple[Path, list[dict[str, Any]]]) -> None:
+    for r in lifecycle[1]:
+        assert_same(r["straight"], r["checkpointed"])  # checkpointing changes nothing
+        assert_same(r["straight"], r["resumed"])  # stop at 4 + resume == 8 straight
+        straight, resumed = r["straight_optimizer"]["state"], r["resumed_optimizer"]["state"]
+        assert straight.keys() == resumed.keys()
+        for i in straight:
+            for key in straight[i]:
+                assert torch.equal(straight[i][key], resumed[i][key]), (i, key)
+        # The resumed run adopted the saved bucket order before its first backward.
+        saved = r["observed"]["fit_validation"]["bucket_order"]
+        assert r["resume_observed"]["train_start"]["bucket_order"] == saved
+
+
+def test_checkpoint_resumes_under_torch_ddp(lifecycle: tuple[Path, list[dict[str, Any]]]) -> None:
+    r0 = lifecycle[1][0]
+    # Resuming under strategy="ddp" trains on exactly as resuming under BucketDDP. torch
+    # DDP broadcasts every buffer, so only the policy-driven buffers may differ.
+    assert_same(r0["resumed"], r0["resumed_torch_ddp"], tol=1e-6, skip=("seen", "local_"))
+
+
+def test_buffer_policies_from_the_module_hook(lifecycle: tuple[Path, list[dict[str, Any]]]) -> None:
+    for rank, r in enumerate(lifecycle[1]):
+        for run in ("straight", "resumed"):
+            # "sum": world * k * steps on every rank, across the resume too.
+            assert int(r[run]["seen"]) == 2 * ADDED_PER_STEP * 8
+            # "none": each rank keeps its own.
+            assert float(r[run]["local_mark"]) == rank + 1
+
+
+def test_strategy_buffer_options_beat_the_module_hook(
+    lifecycle: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    # BucketDDP(buffer_sync={"seen": "max"}, default_buffer_policy="none") for two steps.
+    r0, r1 = (r["strategy_policies"] for r in lifecycle[1])
+    assert int(r0["seen"]) == int(r1["seen"]) == ADDED_PER_STEP * 2  # "max", not "sum"
+    # BatchNorm statistics under "none" stay each rank's own.
+    assert not torch.equal(r0["net.1.running_mean"], r1["net.1.running_mean"])
+
+
+def test_sync_batchnorm_on_cpu(lifecycle: tuple[Path, list[dict[str, Any]]]) -> None:
+    r0, r1 = lifecycle[1]
+    for label in ("trainer_flag", "strategy_flag"):
+        for r in (r0, r1):
+            assert r[f"syncbn/{label}"]["during"] == ["SyncBatchNorm"]
+            assert r[f"syncbn/{label}"]["after"] == ["BatchNorm1d"]
+            assert r[f"syncbn/{label}"]["predict"] == ["BatchNorm1d"]
+        # Global statistics: the running stats agree without any buffer sync.
+        assert_same(r0[f"syncbn/{label}"]["state"], r1[f"syncbn/{label}"]["state"])
+    assert_same(r0["syncbn/trainer_flag"]["state"], r0["syncbn/strategy_flag"]["state"])
+
+
+def test_zero_redundancy_optimizer_and_checkpoint_after_fit(
+    lifecycle: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    from lightning_models import Zero
+
+    r0, r1 = lifecycle[1]
+    assert_same(r0["zero"]["weights"], r1["zero"]["weights"], skip=("local_",))
+    ckpt = torch.load(r0["zero"]["path"], weights_only=False)
+    assert ckpt["bucketddp"]["bucket_order"]  # the order of the finished fit
+    loaded = Zero.load_from_checkpoint(r0["zero"]["path"])
+    assert_same(weights_of(loaded), r0["zero"]["weights"])
+
+
+def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+
+
+def test_unused_parameter_error_reaches_the_user(
+    lifecycle: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for r in lifecycle[1]:
+        message = r["unused_error"]
+        assert message is not None
+        assert "['idle.weight', 'idle.bias']" in message
+        assert "find_unused_parameters=True" in message
+
+
+def test_resume_at_world_size_1(
+    lifecycle: tuple[Path, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    out, ranks = lifecycle
+    (r,) = scenario("resume_elsewhere", tmp_path, str(out / "checkpoints" / "step=4.ckpt"))
+    assert r["world_size"] == 1
+    saved = ranks[0]["observed"]["fit_validation"]["bucket_order"]
+    same, other = r["same_params"], r["other_params"]
+    assert same["order"] == saved
+    assert other["order"] is None  # learned again in the first backward
+    assert any("learned again" in line for line in r["log"])
+    for run in (same, other):
+        assert run["global_step"] == 8
+        # 4 steps at world size 2, then 4 at world size 1, each rank adding k per step.
+        assert run["seen"] == 2 * ADDED_PER_STEP * 4 + ADDED_PER_STEP * 4
+    assert_same(same["weights"], other["weights"])
+
+
+# ----------------------------------------------------------------- other launchers
+def test_spawn_launcher(swap: list[dict[str, Any]], tmp_path: Path) -> None:
+    run_script([sys.executable, str(SCENARIOS), "spawn", str(tmp_path)], timeout=240)
+    result = torch.load(tmp_path / "spawn.main.pt", weights_only=False)
+    assert result["bucket/strategy"] == "BucketDDP"
+    # The main process holds rank 0's weights: those of the same run under "ddp".
+    assert_same(result["bucket"], swap[0]["boring/ddp"], tol=1e-6)
+
+
+def test_torchrun_two_nodes_on_loopback(tmp_path: Path) -> None:
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                str(SCENARIOS),
+                "torchrun",
+                str(tmp_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ROOT,
+        )
+        for node in (0, 1)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=180)
+            outputs.append(out.decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-6000:]
+        assert "terminate called" not in out
+    r0, r1 = (torch.load(tmp_path / f"torchrun.rank{i}.pt", weights_only=False) for i in (0, 1))
+    for node, r in enumerate((r0, r1)):
+        assert r["environment"] == "TorchElasticEnvironment"
+        assert (r["world_size"], r["node_rank"], r["rank"]) == (2, node, node)
+        assert r["seen"] == 2 * ADDED_PER_STEP * 4
+    assert torch.equal(r0["state"], r1["state"])
+    assert_same(r0["weights"], r1["weights"], skip=("local_",))
+
+
+def test_runs_exit_cleanly() -> None:
+    # The 30-run version of this check: python benchmarks/lightning_exit_status.py --runs 30
+    script = ROOT / "benchmarks" / "lightning_exit_status.py"
+    out = run_script([sys.executable, str(script), "--runs", "3"], timeout=240)
+    assert "bucket_ddp: 0 of 3 runs ended abnormally" in out
