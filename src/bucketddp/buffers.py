@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .comm import all_reduce_coalesced, broadcast_coalesced
+from .comm import FlatTensors, all_reduce_coalesced, all_reduce_packed, broadcast_packed
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +237,7 @@ class BufferSync:
         # module reassigns (``self.n = self.n + 1``) is still the one that gets synced.
         self._owners: dict[str, tuple[nn.Module, str]] = {}
         self._baseline: dict[str, torch.Tensor] = {}
+        self._packed: dict[int, FlatTensors] = {}  # group index -> its reusable flat buffer
         self._hooks: list[RemovableHandle] = []
         self.rank_local: set[str] = set()
         error: Exception | None = None
@@ -366,22 +367,33 @@ class BufferSync:
         if self.world_size == 1:
             return 0
         count = 0
-        for group in self.groups:
+        for i, group in enumerate(self.groups):
             policy = group.policy
             if not isinstance(policy, str):
                 self._apply_custom(group.names[0], policy)
                 continue
             tensors = [self._get(n) for n in group.names]
-            if policy == "broadcast":
-                count += broadcast_coalesced(tensors, self.process_group)
-            elif policy == "sum":
+            if policy == "sum":
                 count += self._sync_sum(group.names, tensors)
+            elif policy == "broadcast":
+                count += broadcast_packed(self._packing(i, tensors), self.process_group)
             else:
-                count += all_reduce_coalesced(tensors, _OPS[policy], self.process_group)
-                if policy == "mean":
-                    for t in tensors:
-                        t.div_(self.world_size)
+                count += all_reduce_packed(
+                    self._packing(i, tensors),
+                    _OPS[policy],
+                    self.process_group,
+                    divide_by=self.world_size if policy == "mean" else 1,
+                )
         return count
+
+    def _packing(self, i: int, tensors: list[torch.Tensor]) -> FlatTensors:
+        # Reused from sync to sync while the group's buffers are the same tensor objects; a
+        # module that reassigns a buffer (or is moved with .to()) gets a fresh packing.
+        packed = self._packed.get(i)
+        if packed is None or not packed.is_for(tensors):
+            as_bytes = self.groups[i].policy == "broadcast"
+            packed = self._packed[i] = FlatTensors(tensors, as_bytes=as_bytes)
+        return packed
 
     def _apply_custom(self, name: str, fn: BufferFn) -> None:
         buf = self._get(name)

@@ -1,12 +1,12 @@
 """Coalesced collectives over lists of tensors, and the same-model check.
 
-Tensors are packed into one flat tensor per (dtype, device), so a list of any length costs
-one collective per group rather than one per tensor.
+Tensors are packed into one flat tensor (per dtype and device for reductions, per device for
+broadcasts), so a list of any length costs one collective rather than one per tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,72 @@ def group_rank0(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_global_rank(group, 0)
 
 
+class FlatTensors:
+    """One flat buffer standing for a fixed list of tensors on one device, reused per sync.
+
+    Packing is one ``torch.cat`` and unpacking one ``torch._foreach_copy_`` between 1-D views
+    of the tensors and slices of the flat buffer, so a sync's cost in Python does not grow
+    with the number of tensors. With ``as_bytes`` the tensors may have different dtypes
+    (for a broadcast, which copies bytes); without it they must share one (for reductions).
+    Tensors that are not contiguous take a slower per-tensor path.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], *, as_bytes: bool) -> None:
+        self.tensors = list(tensors)
+        self._as_bytes = as_bytes
+        self._views = [_flat_view(t, as_bytes) for t in self.tensors]
+        sizes = [t.numel() * (t.element_size() if as_bytes else 1) for t in self.tensors]
+        dtype = torch.uint8 if as_bytes else self.tensors[0].dtype
+        self.flat = torch.empty(sum(sizes), dtype=dtype, device=self.tensors[0].device)
+        self._slices = list(self.flat.split(sizes))
+        self._simple = all(v is not None for v in self._views)
+
+    def is_for(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether this packing still describes exactly ``tensors`` (same objects)."""
+        return len(tensors) == len(self.tensors) and all(
+            a is b for a, b in zip(tensors, self.tensors, strict=True)
+        )
+
+    @torch.no_grad()
+    def pack(self) -> torch.Tensor:
+        """Copy the tensors into the flat buffer and return it."""
+        if self._simple:
+            torch.cat(self._views, out=self.flat)  # type: ignore[arg-type]
+        else:
+            for t, view, part in zip(self.tensors, self._views, self._slices, strict=True):
+                part.copy_(view if view is not None else _flat_view(t.contiguous(), self._as_bytes))
+        return self.flat
+
+    @torch.no_grad()
+    def unpack(self) -> None:
+        """Copy the flat buffer's contents back into the tensors."""
+        if self._simple:
+            torch._foreach_copy_(self._views, self._slices)  # type: ignore[arg-type]
+            return
+        for t, view, part in zip(self.tensors, self._views, self._slices, strict=True):
+            if view is not None:
+                view.copy_(part)
+            elif self._as_bytes:  # a fresh copy is aligned for any dtype
+                t.copy_(part.clone().view(t.dtype).view(t.shape))
+            else:
+                t.copy_(part.view(t.shape))
+
+
+def _flat_view(t: torch.Tensor, as_bytes: bool) -> torch.Tensor | None:
+    """A 1-D view sharing ``t``'s memory (as bytes if asked), or None if ``t`` has gaps."""
+    if not t.is_contiguous():
+        return None
+    flat = t.detach().view(-1)
+    return flat.view(torch.uint8) if as_bytes else flat
+
+
+def _by_device(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
+
+
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
@@ -24,23 +90,27 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def _apply_flat(tensors: Sequence[torch.Tensor], collective: Callable[[torch.Tensor], None]) -> int:
-    """Run ``collective`` on one flat copy per dtype group and write results back."""
-    count = 0
-    for group in _by_dtype(tensors):
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        collective(flat)
-        offset = 0
-        with torch.no_grad():
-            for t in group:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
-        count += 1
-    return count
+def broadcast_packed(packed: FlatTensors, group: dist.ProcessGroup | None = None) -> int:
+    """Give ``packed``'s tensors the group's rank-0 values with one broadcast; returns 1."""
+    dist.broadcast(packed.pack(), src=group_rank0(group), group=group)
+    packed.unpack()
+    return 1
 
 
-_ALIGN = 16  # bytes; every dtype's itemsize divides it, so each segment views cleanly
+def all_reduce_packed(
+    packed: FlatTensors,
+    op: dist.ReduceOp.RedOpType,
+    group: dist.ProcessGroup | None = None,
+    *,
+    divide_by: int = 1,
+) -> int:
+    """All-reduce ``packed``'s tensors with one collective, optionally dividing; returns 1."""
+    flat = packed.pack()
+    dist.all_reduce(flat, op=op, group=group)
+    if divide_by != 1:
+        flat.div_(divide_by)
+    packed.unpack()
+    return 1
 
 
 def broadcast_coalesced(
@@ -48,34 +118,12 @@ def broadcast_coalesced(
 ) -> int:
     """Overwrite ``tensors`` in place with the group's rank-0 values; returns collectives used.
 
-    A broadcast copies bytes, so tensors of every dtype on one device travel together in a
-    single uint8 buffer: one collective per device, where a per-dtype scheme needs one per
-    dtype (BatchNorm's float statistics and int64 counter, say).
+    A broadcast copies bytes, so tensors of every dtype on one device travel together:
+    one collective per device, where a per-dtype scheme needs one per dtype (BatchNorm's
+    float statistics and int64 counter, say).
     """
-    src = group_rank0(group)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
-    for device, members in by_device.items():
-        offsets = []
-        total = 0
-        for t in members:
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        flat = torch.empty(total, dtype=torch.uint8, device=device)
-        for t, o in zip(members, offsets, strict=True):
-            flat[o : o + t.numel() * t.element_size()].copy_(_as_bytes(t))
-        dist.broadcast(flat, src=src, group=group)
-        with torch.no_grad():
-            for t, o in zip(members, offsets, strict=True):
-                raw = flat[o : o + t.numel() * t.element_size()]
-                t.copy_(raw.view(t.dtype).view(t.shape))
-    return len(by_device)
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+    members = _by_device([t for t in tensors if t.numel()])
+    return sum(broadcast_packed(FlatTensors(m, as_bytes=True), group) for m in members)
 
 
 def all_reduce_coalesced(
@@ -83,8 +131,9 @@ def all_reduce_coalesced(
     op: dist.ReduceOp.RedOpType,
     group: dist.ProcessGroup | None = None,
 ) -> int:
-    """All-reduce ``tensors`` in place with ``op``; returns collectives used."""
-    return _apply_flat(tensors, lambda flat: dist.all_reduce(flat, op=op, group=group))
+    """All-reduce ``tensors`` in place with ``op``, one collective per dtype; returns the count."""
+    members = _by_dtype([t for t in tensors if t.numel()])
+    return sum(all_reduce_packed(FlatTensors(m, as_bytes=False), op, group) for m in members)
 
 
 def verify_same_model(

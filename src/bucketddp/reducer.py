@@ -16,6 +16,7 @@ untouched, as torch DDP does).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -105,8 +106,10 @@ class Reducer:
             self._infos, cap_bytes=self._cap_bytes, first_cap_bytes=self._first_cap_bytes
         )
         self._install(self.plan)
+        # partial (C-implemented) rather than a closure: one Python frame less per parameter
+        # per step on the hot path.
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
             for i, p in enumerate(self._params)
         ]
 
@@ -187,12 +190,6 @@ class Reducer:
         return dist.get_global_rank(self.process_group, group_rank)
 
     # ----------------------------------------------------------------------- hooks
-    def _make_hook(self, i: int):  # type: ignore[no-untyped-def]
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(i, param)
-
-        return hook
-
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         if not self._queued:
             self._queued = True
