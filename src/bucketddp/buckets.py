@@ -71,6 +71,15 @@ class BucketPlan:
         return "\n".join(lines)
 
 
+def check_bucket_sizes(bucket_cap_mb: float, first_bucket_mb: float) -> None:
+    """Raise ValueError unless both bucket sizes are positive, naming the options."""
+    if not (bucket_cap_mb > 0 and first_bucket_mb > 0):
+        raise ValueError(
+            f"bucket_cap_mb ({bucket_cap_mb}) and first_bucket_mb ({first_bucket_mb}) "
+            "must be positive"
+        )
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .buckets import BucketPlan
+from .buckets import BucketPlan, check_bucket_sizes
 from .buffers import BufferSync, Policy
 from .comm import broadcast_coalesced, verify_same_model
 from .reducer import CommStats, Reducer
@@ -66,11 +66,7 @@ class BucketDataParallel(nn.Module):
                 "BucketDataParallel needs a process group: call "
                 "torch.distributed.init_process_group() before wrapping the model"
             )
-        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
-            raise ValueError(
-                f"bucket_cap_mb ({bucket_cap_mb}) and first_bucket_mb ({first_bucket_mb}) "
-                "must be positive"
-            )
+        check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
         if default_buffer_policy is None:
             default_buffer_policy = "broadcast" if broadcast_buffers else "none"
         elif not broadcast_buffers and default_buffer_policy != "none":

@@ -34,6 +34,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
+from .buckets import check_bucket_sizes
 from .buffers import Policy, resolve_policies
 from .parallel import BucketDataParallel
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
@@ -124,11 +125,7 @@ class BucketDDP(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        if bucket_cap_mb <= 0 or first_bucket_mb <= 0:
-            raise ValueError(
-                f"bucket_cap_mb ({bucket_cap_mb}) and first_bucket_mb ({first_bucket_mb}) "
-                "must be positive"
-            )
+        check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
         if default_buffer_policy is not None:
             resolve_policies({}, default=default_buffer_policy)  # raises on a bad name
         # Set before DDPStrategy.__init__, which assigns ``_layer_sync`` (our property).
@@ -219,25 +216,28 @@ class BucketDDP(DDPStrategy):
             yield
 
     # ---------------------------------------------------------------- buffer syncs
+    def _sync_buffers(self) -> None:
+        # Only while fitting: outside of fit there is no wrapper, and DDPStrategy has already
+        # broadcast parameters and buffers from rank 0.
+        if (wrapped := self._wrapped) is not None:
+            wrapped.sync_buffers()
+
     @override
     def on_validation_start(self) -> None:
         """Sync buffers by their policies, so every rank validates the same model."""
-        if (wrapped := self._wrapped) is not None:
-            wrapped.sync_buffers()
+        self._sync_buffers()
         super().on_validation_start()
 
     @override
     def on_test_start(self) -> None:
         """Sync buffers by their policies, so every rank tests the same model."""
-        if (wrapped := self._wrapped) is not None:
-            wrapped.sync_buffers()
+        self._sync_buffers()
         super().on_test_start()
 
     @override
     def on_train_end(self) -> None:
         """Sync buffers once more, so the module the user holds after fit agrees."""
-        if (wrapped := self._wrapped) is not None:
-            wrapped.sync_buffers()
+        self._sync_buffers()
         super().on_train_end()
 
     # ---------------------------------------------------------------- checkpoints
@@ -248,8 +248,7 @@ class BucketDDP(DDPStrategy):
         Every rank takes part in checkpointing, so the sync is a collective like any other;
         ``"none"`` buffers are written from rank 0's copy, as rank 0 writes the file.
         """
-        if (wrapped := self._wrapped) is not None:
-            wrapped.sync_buffers()
+        self._sync_buffers()
         return super().lightning_module_state_dict()
 
     @override
