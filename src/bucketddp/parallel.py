@@ -115,6 +115,8 @@ class BucketDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Sync buffers when due, then run the wrapped module."""
+        if self.reducer.step_unfinished:
+            self.reducer.discard_step()
         if self._sync_buffers_next:
             self.buffers_sync.sync()
         self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled

@@ -341,6 +341,31 @@ class Reducer:
             "every rank."
         )
 
+    @property
+    def step_unfinished(self) -> bool:
+        """A backward pass started but never reached its end (it raised midway)."""
+        return self._queued
+
+    def discard_step(self) -> None:
+        """Forget a backward pass that raised midway, so the next one starts clean.
+
+        Collectives it already launched are waited for first, so that they cannot write
+        into bucket storage the next step is filling. Every rank that launched them is
+        matched by the others: ranks that failed at the same point launched the same ones,
+        and ranks that finished their backward launched all of them.
+        """
+        log.warning(
+            "bucketddp: the previous backward pass did not finish (it raised); its partial "
+            "gradient reduction is discarded"
+        )
+        self._queued = False
+        for bucket in self._buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+                bucket.work = None
+        self._reset_step()
+        self._used = [False] * len(self._used)
+
     def _reset_step(self) -> None:
         n = len(self._ready)
         self._ready = [False] * n
