@@ -408,7 +408,8 @@ def print_time_table(
             )
 
 
-def _loadavg() -> list[float] | None:
+def loadavg() -> list[float] | None:
+    """The 1/5/15-minute load averages, rounded, or None where the OS has none."""
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
@@ -471,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "threads_per_rank": 1,
             "backend": "gloo",
-            "loadavg_start": _loadavg(),
+            "loadavg_start": loadavg(),
         },
         "config": {**asdict(cfg), "models": args.models, "world_sizes": args.world_size},
     }
@@ -514,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overhead=world_size == 1,
         )
 
-    report["meta"]["loadavg_end"] = _loadavg()
+    report["meta"]["loadavg_end"] = loadavg()
     report["meta"]["seconds"] = round(time.perf_counter() - started, 1)
     print(
         f"\nstep ms: median of {cfg.rounds * cfg.steps} timed steps, each the max over ranks; "

@@ -40,13 +40,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 import bucketddp
+from bench_engine import LR, MOMENTUM
 from bucketddp import BucketDDP
 from models import MODELS, Batch, ModelSpec, count_parameters, loss_fn
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "lightning.json"
 STRATEGIES = ("ddp", "bucket_ddp")
-LR = 0.01
-MOMENTUM = 0.9
 
 
 class Batches(Dataset[Batch]):

@@ -42,14 +42,12 @@ import torch.distributed as dist
 from torch import nn
 
 import bucketddp
-from bench_engine import run_ranks
+from bench_engine import LR, MOMENTUM, loadavg, run_ranks
 from bucketddp import BucketDataParallel, convert_sync_batchnorm
 from models import MODELS, loss_fn
 
 SYSTEMS = ("batchnorm", "syncbn")
 MODEL = "convnet"
-LR = 0.01
-MOMENTUM = 0.9
 
 
 @dataclass(frozen=True)
@@ -159,19 +157,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Time both systems, print the summary and write the JSON if asked to."""
     args = parse_args(argv)
     cfg = Config(args.rounds, args.steps, args.warmup, args.batch_size)
     started = time.perf_counter()
-    load_start = _loadavg()
+    load_start = loadavg()
     print(
         f"bucketddp {bucketddp.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
         f"load {load_start}; {MODEL}, per-rank batch {cfg.batch_size}, world size 2 (gloo); "
@@ -197,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{res['overhead_ms_per_layer']:+.2f} ms per layer ({res['bn_layers']} BatchNorm layers, "
         "2 all-reduces each)"
     )
-    load_end = _loadavg()
+    load_end = loadavg()
     seconds = round(time.perf_counter() - started, 1)
     print(f"load average {load_start} -> {load_end}; {seconds:.0f}s in all")
     if args.json is not None:
