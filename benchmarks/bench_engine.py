@@ -63,6 +63,10 @@ class Config:
     batch_size: int | None
     """Per-rank batch size; None means each model's own default."""
     memory_steps: int
+    bucket_cap_mb: float | None = None
+    """bucket_cap_mb of both wrappers; None leaves each at its default (25 MB)."""
+    first_bucket_mb: float | None = None
+    """bucketddp's first_bucket_mb; None leaves the default (1 MB, as torch DDP's fixed one)."""
 
 
 # --------------------------------------------------------------------- process launch
@@ -153,14 +157,19 @@ def run_ranks(
 
 
 # ------------------------------------------------------------------------ one rank
-def wrap(system: str, model: nn.Module) -> nn.Module:
-    """The model as ``system`` trains it: bare, in torch DDP, or in BucketDataParallel."""
+def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
+    """The model as ``system`` trains it: bare, in torch DDP, or in BucketDataParallel.
+
+    Both wrappers use their default options, except for the bucket sizes ``cfg`` sets.
+    """
+    cap = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
     if system == "local":
         return model
     if system == "torch_ddp":
-        return DistributedDataParallel(model)
+        return DistributedDataParallel(model, **cap)
     if system == "bucketddp":
-        return BucketDataParallel(model)
+        first = {} if cfg.first_bucket_mb is None else {"first_bucket_mb": cfg.first_bucket_mb}
+        return BucketDataParallel(model, **cap, **first)
     raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
 
 
@@ -204,7 +213,7 @@ def time_model(
     the phase columns are the mean over ranks.
     """
     spec = MODELS[model_name]
-    models = {s: wrap(s, spec.build(seed=0)) for s in systems}
+    models = {s: wrap(s, spec.build(seed=0), cfg) for s in systems}
     optimizers = {
         s: torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for s, m in models.items()
     }
@@ -227,7 +236,24 @@ def time_model(
         plan = models["bucketddp"].bucket_plan
         info["bucketddp_buckets"] = len(plan)
         info["bucketddp_bucket_mb"] = [round(b.nbytes / 2**20, 3) for b in plan]
+    if "torch_ddp" in models:
+        info["torch_ddp_bucket_mb"] = ddp_bucket_mb(models["torch_ddp"])
     return {"per_round": per_round, **info}
+
+
+def ddp_bucket_mb(model: nn.Module) -> list[float] | None:
+    """The bucket sizes torch DDP settled on after its rebuild, in MB; None if unavailable.
+
+    Read from DDP's own logging data, a private method: the benchmark's window on whether both
+    engines run the same collectives.
+    """
+    try:
+        sizes = model._get_ddp_logging_data().get("rebuilt_bucket_sizes")  # type: ignore[operator]
+    except (AttributeError, RuntimeError):
+        return None
+    if not isinstance(sizes, str) or not sizes:
+        return None
+    return [round(int(b) / 2**20, 3) for b in sizes.split(",")]
 
 
 def _rss_kb() -> int:
@@ -267,7 +293,7 @@ def measure_memory(
     dist.barrier()
     reset = _reset_peak_rss()
     baseline_kb = _rss_kb()
-    wrapped = wrap(system, model)
+    wrapped = wrap(system, model, cfg)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR, momentum=MOMENTUM)
     train_steps(wrapped, optimizer, batches)
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -343,7 +369,7 @@ def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
                 )
             ]
         )
-    for key in ("bucketddp_buckets", "bucketddp_bucket_mb"):
+    for key in ("bucketddp_buckets", "bucketddp_bucket_mb", "torch_ddp_bucket_mb"):
         if key in raw:
             out[key] = raw[key]
     return out
@@ -401,6 +427,11 @@ def print_time_table(
                 f"{res['median_round_ratio']:.3f} (median of {len(ratios)} round ratios, "
                 f"range {min(ratios):.3f}-{max(ratios):.3f}); cpu {res['cpu_ratio']:.3f}"
             )
+        if "bucketddp_bucket_mb" in res and not overhead:
+            print(
+                f"{'':<19} buckets (MB, launch order): bucketddp {res['bucketddp_bucket_mb']}, "
+                f"torch_ddp {res.get('torch_ddp_bucket_mb') or 'unknown'}"
+            )
         if overhead and "bucketddp_over_local" in res:
             print(
                 f"{'':<19} bucketddp/local: {res['bucketddp_over_local']:.3f} (ratio of medians), "
@@ -443,6 +474,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=["mlp"],
         help="models for the world-size-1 section (default: mlp)",
     )
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        help="bucket_cap_mb of both torch DDP and bucketddp (default: theirs, 25)",
+    )
+    p.add_argument(
+        "--first-bucket-mb",
+        type=float,
+        help="bucketddp's first_bucket_mb (default 1; torch DDP's first bucket is fixed at 1 MB)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     p.add_argument("--memory-steps", type=int, help="steps per memory run (default 4; quick 2)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small rounds and steps")
@@ -454,13 +495,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             setattr(args, key, quick if args.quick else full)
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or args.memory_steps < 1:
         p.error("--rounds, --steps and --memory-steps must be >= 1, --warmup >= 0")
+    for opt in ("bucket_cap_mb", "first_bucket_mb"):
+        value = getattr(args, opt)
+        if value is not None and not value > 0:
+            p.error(f"--{opt.replace('_', '-')} must be positive, got {value}")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sections the arguments ask for, print the tables and write the JSON."""
     args = parse_args(argv)
-    cfg = Config(args.rounds, args.steps, args.warmup, args.batch_size, args.memory_steps)
+    cfg = Config(
+        args.rounds,
+        args.steps,
+        args.warmup,
+        args.batch_size,
+        args.memory_steps,
+        args.bucket_cap_mb,
+        args.first_bucket_mb,
+    )
     started = time.perf_counter()
     report: dict[str, Any] = {
         "meta": {
@@ -481,6 +534,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"load {report['meta']['loadavg_start']}; {cfg.rounds} rounds x ({cfg.warmup} warmup + "
         f"{cfg.steps} timed steps) per system"
     )
+    if cfg.bucket_cap_mb is not None or cfg.first_bucket_mb is not None:
+        print(
+            f"bucket sizes: bucket_cap_mb {cfg.bucket_cap_mb or 'default'} (both wrappers), "
+            f"first_bucket_mb {cfg.first_bucket_mb or 'default'} (bucketddp only)"
+        )
 
     memory: dict[str, dict[str, Any]] = {}
     if 2 in args.world_size and not args.no_memory:
