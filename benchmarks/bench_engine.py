@@ -447,6 +447,21 @@ def loadavg() -> list[float] | None:
         return None
 
 
+def run_meta(**extra: Any) -> dict[str, Any]:
+    """What a benchmark's JSON records of the run: date, versions, machine, then ``extra``."""
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "bucketddp": bucketddp.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "threads_per_rank": 1,
+        "backend": "gloo",
+        **extra,
+    }
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line; ``--quick`` fills in small values for the options left unset."""
@@ -516,17 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = time.perf_counter()
     report: dict[str, Any] = {
-        "meta": {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "bucketddp": bucketddp.__version__,
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "threads_per_rank": 1,
-            "backend": "gloo",
-            "loadavg_start": loadavg(),
-        },
+        "meta": run_meta(loadavg_start=loadavg()),
         "config": {**asdict(cfg), "models": args.models, "world_sizes": args.world_size},
     }
     print(

@@ -27,13 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 import bucketddp
-from bench_engine import LR, MOMENTUM, loadavg, run_ranks
+from bench_engine import LR, MOMENTUM, loadavg, run_meta, run_ranks
 from bucketddp import BucketDataParallel, convert_sync_batchnorm
 from models import MODELS, loss_fn
 
@@ -193,21 +191,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"load average {load_start} -> {load_end}; {seconds:.0f}s in all")
     if args.json is not None:
         report = {
-            "meta": {
-                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "torch": torch.__version__,
-                "bucketddp": bucketddp.__version__,
-                "python": platform.python_version(),
-                "platform": platform.platform(),
-                "cpus": os.cpu_count(),
-                "threads_per_rank": 1,
-                "backend": "gloo",
-                "world_size": 2,
-                "model": MODEL,
-                "loadavg_start": load_start,
-                "loadavg_end": load_end,
-                "seconds": seconds,
-            },
+            "meta": run_meta(
+                world_size=2,
+                model=MODEL,
+                loadavg_start=load_start,
+                loadavg_end=load_end,
+                seconds=seconds,
+            ),
             "config": asdict(cfg),
             "results": res,
         }
