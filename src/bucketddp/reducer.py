@@ -209,35 +209,36 @@ class Reducer:
         if not self.sync_enabled or not self._communicates:
             return
         grad = param.grad
-        self._fill_slot(i, grad)
-        if self.gradient_as_bucket_view and grad is not self._views[i]:
-            param.grad = self._views[i]
+        view = self._fill_slot(i, grad)
+        if self.gradient_as_bucket_view and grad is not view:
+            param.grad = view
         bucket = self._bucket_of[i]
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready()
 
-    def _fill_slot(self, i: int, grad: torch.Tensor | None) -> None:
+    def _fill_slot(self, i: int, grad: torch.Tensor | None) -> torch.Tensor:
         """Stage gradient ``i`` in its bucket slot, already divided by the world size.
 
         Averaging here, before the sum, is torch DDP's order, and so is the arithmetic: a
         copied gradient is multiplied by ``1 / world_size`` on its way into the slot (``out=``
         fuses the two; a multiply is also cheaper than a divide), a gradient accumulated in
-        place is divided.
+        place is divided. Returns the slot.
         """
         view = self._views[i]
         if grad is view:
             view.div_(self.world_size)  # accumulated in place, in the slot
-            return
+            return view
         if grad is None:
             view.zero_()
-            return
+            return view
         if grad.layout != torch.strided:
             raise RuntimeError(
                 f"parameter {self._names[i]!r} has a {grad.layout} gradient; bucketddp reduces "
                 "dense gradients only (for nn.Embedding, pass sparse=False)"
             )
         torch.mul(grad, self._scale, out=view)
+        return view
 
     def _launch_ready(self) -> None:
         """Launch every bucket whose turn has come, in plan order."""
