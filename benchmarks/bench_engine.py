@@ -26,6 +26,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import random
 import resource
 import socket
 import statistics
@@ -320,6 +321,32 @@ def _quantile(xs: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+def bootstrap_ci(
+    xs: Sequence[float], *, level: float = 0.95, resamples: int = 4000, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median of ``xs`` (deterministic for one seed).
+
+    Resamples ``xs`` with replacement, takes each resample's median and returns the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of those medians.
+    """
+    if not xs:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    medians = [statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples)]
+    tail = (1 - level) / 2
+    return _quantile(medians, tail), _quantile(medians, 1 - tail)
+
+
+def verdict(ci: tuple[float, float]) -> str:
+    """Read a ratio's interval: below 1 is faster, above 1 slower, across 1 within noise."""
+    lo, hi = ci
+    if hi < 1:
+        return "faster"
+    if lo > 1:
+        return "slower"
+    return "within noise"
+
+
 def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
     """Medians, ratios and exposed communication of one model's timing run (in ms)."""
     per_round = raw["per_round"]
@@ -354,6 +381,7 @@ def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
         out["ratio_of_medians"] = ours["median_ms"] / theirs["median_ms"]
         out["median_round_ratio"] = _median(round_ratios)
         out["round_ratios"] = round_ratios
+        out["round_ratio_ci95"] = list(bootstrap_ci(round_ratios))
         out["cpu_ratio"] = ours["cpu_ms"] / theirs["cpu_ms"]
     if "local" in figures and "bucketddp" in figures:
         out["bucketddp_over_local"] = (
@@ -422,10 +450,15 @@ def print_time_table(
             )
         if "ratio_of_medians" in res:
             ratios = res["round_ratios"]
+            lo, hi = res["round_ratio_ci95"]
             print(
                 f"{'':<19} bucketddp/torch_ddp: {res['ratio_of_medians']:.3f} (ratio of medians), "
                 f"{res['median_round_ratio']:.3f} (median of {len(ratios)} round ratios, "
                 f"range {min(ratios):.3f}-{max(ratios):.3f}); cpu {res['cpu_ratio']:.3f}"
+            )
+            print(
+                f"{'':<19} 95% interval of the median round ratio: {lo:.3f}-{hi:.3f}, "
+                f"{verdict((lo, hi))}"
             )
         if "bucketddp_bucket_mb" in res and not overhead:
             print(
@@ -437,6 +470,76 @@ def print_time_table(
                 f"{'':<19} bucketddp/local: {res['bucketddp_over_local']:.3f} (ratio of medians), "
                 f"{res['bucketddp_over_local_rounds']:.3f} (median of round ratios)"
             )
+
+
+# ------------------------------------------------------------------------ pooling
+POOL_KEYS = ("steps", "warmup", "batch_size", "bucket_cap_mb", "first_bucket_mb")
+"""Config entries that must agree between pooled runs (rounds and models may differ)."""
+
+
+def pool_reports(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Pool the round ratios of several runs' JSON reports, per section and model.
+
+    Raises ValueError, naming the file, if a report was made with other step counts,
+    batch size or bucket options than the first one: their ratios do not measure the same
+    thing.
+    """
+    for name, report in reports:
+        if not isinstance(report, dict) or "config" not in report:
+            raise ValueError(f"{name}: not a report of bench_engine.py (it has no 'config')")
+    first_name, first = reports[0]
+    pooled: dict[str, Any] = {}
+    for name, report in reports:
+        for key in POOL_KEYS:
+            if report["config"].get(key) != first["config"].get(key):
+                raise ValueError(
+                    f"{name}: {key} is {report['config'].get(key)!r}, but "
+                    f"{first['config'].get(key)!r} in {first_name}; pool only runs made with "
+                    "the same options"
+                )
+        for section in ("world_size_2", "world_size_1"):
+            for model, res in report.get(section, {}).items():
+                if "round_ratios" not in res:
+                    continue
+                entry = pooled.setdefault(section, {}).setdefault(
+                    model, {"runs": 0, "round_ratios": [], "ratio_of_medians": []}
+                )
+                entry["runs"] += 1
+                entry["round_ratios"] += res["round_ratios"]
+                entry["ratio_of_medians"].append(res["ratio_of_medians"])
+    for models in pooled.values():
+        for entry in models.values():
+            entry["median_round_ratio"] = _median(entry["round_ratios"])
+            entry["round_ratio_ci95"] = list(bootstrap_ci(entry["round_ratios"]))
+    return pooled
+
+
+def pool_main(paths: Sequence[Path]) -> int:
+    """``--pool``: print the pooled bucketddp/torch_ddp ratios of earlier runs' JSON files."""
+    reports = []
+    for path in paths:
+        try:
+            reports.append((str(path), json.loads(path.read_text())))
+        except (OSError, json.JSONDecodeError) as err:
+            print(f"bench_engine: cannot read {path}: {err}", file=sys.stderr)
+            return 2
+    try:
+        pooled = pool_reports(reports)
+    except ValueError as err:
+        print(f"bench_engine: {err}", file=sys.stderr)
+        return 2
+    print(f"bucketddp/torch_ddp pooled over {len(reports)} runs")
+    for section, models in pooled.items():
+        print(f"\n== {section.replace('_', ' ')}")
+        for model, e in models.items():
+            lo, hi = e["round_ratio_ci95"]
+            per_run = ", ".join(f"{r:.3f}" for r in e["ratio_of_medians"])
+            print(
+                f"{model:<12} median of {len(e['round_ratios'])} round ratios "
+                f"{e['median_round_ratio']:.3f}, 95% interval {lo:.3f}-{hi:.3f}, "
+                f"{verdict((lo, hi))}; ratio of medians per run: {per_run}"
+            )
+    return 0
 
 
 def loadavg() -> list[float] | None:
@@ -503,6 +606,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-steps", type=int, help="steps per memory run (default 4; quick 2)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small rounds and steps")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"default: {DEFAULT_JSON}")
+    p.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: pool the round ratios of earlier runs' JSON files and print them",
+    )
     args = p.parse_args(argv)
     defaults = {"rounds": (12, 2), "steps": (8, 3), "warmup": (2, 1), "memory_steps": (4, 2)}
     for key, (full, quick) in defaults.items():
@@ -520,6 +630,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sections the arguments ask for, print the tables and write the JSON."""
     args = parse_args(argv)
+    if args.pool:
+        return pool_main(args.pool)
     cfg = Config(
         args.rounds,
         args.steps,

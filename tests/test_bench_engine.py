@@ -9,6 +9,7 @@ options reach bucketddp.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,8 @@ def test_default_buckets_match_torch_ddp(tmp_path: Path) -> None:
     assert len(theirs) >= 2  # a small first bucket, then the rest
     assert result["bucketddp_bucket_mb"] == pytest.approx(theirs, abs=0.01)
     assert set(result["systems"]) == {"local", "torch_ddp", "bucketddp"}
+    lo, hi = result["round_ratio_ci95"]
+    assert lo <= result["median_round_ratio"] <= hi
 
 
 def test_first_bucket_option_reaches_bucketddp(tmp_path: Path) -> None:
@@ -59,3 +62,41 @@ def test_bad_bucket_size_is_refused() -> None:
     )
     assert proc.returncode == 2
     assert "--bucket-cap-mb must be positive" in proc.stderr
+
+
+def fake_report(path: Path, round_ratios: list[float], **config: Any) -> Path:
+    """A minimal report in the benchmark's JSON layout, for the pooling mode."""
+    cfg = {"steps": 8, "warmup": 2, "batch_size": None, "bucket_cap_mb": None}
+    cfg |= {"first_bucket_mb": None, **config}
+    result = {"round_ratios": round_ratios, "ratio_of_medians": statistics.median(round_ratios)}
+    path.write_text(json.dumps({"config": cfg, "world_size_2": {"transformer": result}}))
+    return path
+
+
+def run_pool(*paths: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--pool", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_pool_combines_the_round_ratios_of_several_runs(tmp_path: Path) -> None:
+    a = fake_report(tmp_path / "a.json", [0.90, 0.95])
+    b = fake_report(tmp_path / "b.json", [0.97])
+    proc = run_pool(a, b)
+    assert proc.returncode == 0, proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("transformer"))
+    assert "median of 3 round ratios 0.950" in line
+    assert "95% interval 0.900-0.970, faster" in line
+    assert "ratio of medians per run: 0.925, 0.970" in line
+
+
+def test_pool_refuses_runs_made_with_other_options(tmp_path: Path) -> None:
+    a = fake_report(tmp_path / "a.json", [0.99])
+    b = fake_report(tmp_path / "b.json", [1.01], first_bucket_mb=25.0)
+    proc = run_pool(a, b)
+    assert proc.returncode == 2
+    assert "b.json: first_bucket_mb is 25.0" in proc.stderr
