@@ -40,9 +40,9 @@ import torch.distributed as dist
 from torch import nn
 
 import bucketddp
-from bench_engine import LR, MOMENTUM, loadavg, run_meta, run_ranks
+from bench_engine import LR, MOMENTUM, loadavg, run_meta, run_ranks, train_steps
 from bucketddp import BucketDataParallel, convert_sync_batchnorm
-from models import MODELS, loss_fn
+from models import MODELS
 
 SYSTEMS = ("batchnorm", "syncbn")
 MODEL = "convnet"
@@ -85,17 +85,8 @@ def time_systems(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
         for s in order:
             model, opt = models[s], optimizers[s]
             dist.barrier()
-            rows = []
-            for batch in batches:
-                t0 = time.perf_counter()
-                loss = loss_fn(model, batch)
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                t3 = time.perf_counter()
-                rows.append([t3 - t0, t1 - t0, t2 - t1])
+            # total, forward and backward seconds of each step
+            rows = [row[:3] for row in train_steps(model, opt, batches)]
             figures = torch.tensor(rows[cfg.warmup :], dtype=torch.float64)
             slowest = figures[:, :1].clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

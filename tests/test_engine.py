@@ -302,13 +302,17 @@ def test_training_recovers_after_a_failed_backward() -> None:
             assert torch.allclose(r[n], p.detach(), atol=1e-6, rtol=0), n
 
 
-def _mismatch(rank: int, world: int) -> str:
-    model = build("mlp") if rank == 0 else build("frozen")
+def _wrap_error(model: torch.nn.Module) -> str:
+    """The message of the RuntimeError that wrapping ``model`` raises, or "" if none."""
     try:
         BucketDataParallel(model)
     except RuntimeError as e:
         return str(e)
     return ""
+
+
+def _mismatch(rank: int, world: int) -> str:
+    return _wrap_error(build("mlp") if rank == 0 else build("frozen"))
 
 
 def test_model_mismatch_raises_on_every_rank() -> None:
@@ -320,12 +324,7 @@ def test_model_mismatch_raises_on_every_rank() -> None:
 
 
 def _shape_mismatch(rank: int, world: int) -> str:
-    model = torch.nn.Linear(4, 3 + rank)
-    try:
-        BucketDataParallel(model)
-    except RuntimeError as e:
-        return str(e)
-    return ""
+    return _wrap_error(torch.nn.Linear(4, 3 + rank))
 
 
 def test_shape_mismatch_names_parameter() -> None:
