@@ -25,7 +25,8 @@ class BucketDataParallel(nn.Module):
     Wrap a module exactly as you would with ``torch.nn.parallel.DistributedDataParallel``:
     the gradients after ``backward()`` are the average over ranks, the parameters and
     buffers start from rank 0's values, and ``state_dict()`` keys carry a ``module.``
-    prefix.
+    prefix. Parameters may be frozen or unfrozen after wrapping, alike on every rank; the
+    reducer follows (see ``docs/engine.md``).
 
     Args:
         module: the model, already on its device; the same model on every rank.
@@ -102,7 +103,7 @@ class BucketDataParallel(nn.Module):
             )
         self.buffers_sync.reset_baseline()
         self.reducer = Reducer(
-            [(n, p) for n, p in module.named_parameters() if p.requires_grad],
+            list(module.named_parameters()),
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_mb=first_bucket_mb,
@@ -119,6 +120,7 @@ class BucketDataParallel(nn.Module):
             self.reducer.discard_step()
         if self._sync_buffers_next:
             self.buffers_sync.sync()
+        self.reducer.watch_requires_grad()
         self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
         return self.module(*args, **kwargs)
 

@@ -11,7 +11,12 @@ agree, without a collective of its own, on which parameters got a gradient anywh
 for ``find_unused_parameters=False`` it counts the ranks on which a parameter was missing
 (any positive count is an error on every rank, never a hang), for ``True`` it counts the
 ranks on which the parameter was used (zero means globally unused: its ``.grad`` is left
-untouched, as torch DDP does).
+untouched, as torch DDP does). After those come one element per parameter of the model,
+trainable or not: the ranks on which it requires a gradient. That is how ranks agree on
+``requires_grad`` changes made after wrapping (unfreezing a backbone, say): a parameter
+frozen on every rank is skipped, one unfrozen on every rank joins the plan at the end of
+the first backward that sees it (its gradient for that step is averaged then, in one
+extra collective), and one that differs between ranks is an error on every rank.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
 
 from .buckets import MB, BucketPlan, ParamInfo, plan_buckets
 
@@ -72,7 +78,11 @@ class Reducer:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
     ) -> None:
-        if not named_params:
+        """``named_params`` is every parameter of the model; those requiring grad are reduced."""
+        self._all_names = [n for n, _ in named_params]
+        self._all_params = [p for _, p in named_params]
+        trainable = [j for j, p in enumerate(self._all_params) if p.requires_grad]
+        if not trainable:
             raise ValueError(
                 "BucketDataParallel needs at least one parameter with requires_grad=True; "
                 "the module has none to reduce"
@@ -87,26 +97,51 @@ class Reducer:
         # With one rank there is nothing to reduce: no storage, no copies, hooks only check.
         self._communicates = self.world_size > 1
         self._scale = 1.0 / self.world_size
-
-        self._names = [n for n, _ in named_params]
-        self._params = [p for _, p in named_params]
-        self._index = {n: i for i, n in enumerate(self._names)}
-        self._infos = [ParamInfo(n, p.numel(), p.dtype, p.device) for n, p in named_params]
         self._cap_bytes = int(bucket_cap_mb * MB)
         self._first_cap_bytes = int(first_bucket_mb * MB)
+        self._queued = False
+        self._handles: list[RemovableHandle] = []
+        # Hooks on parameters outside the plan that a rank saw become trainable: they only
+        # make sure the end-of-backward callback runs, where the ranks agree what to do.
+        self._watch_handles: dict[int, RemovableHandle] = {}
+        self._adopt(trainable)
+
+    def _adopt(self, members: list[int]) -> None:
+        """Reduce the parameters at ``members`` (indices into all parameters) from now on.
+
+        Plans them in reverse registration order, to be rebuilt from the next backward's
+        ready order, and hooks each of them.
+        """
+        for h in self._handles:
+            h.remove()
+        self._members = members
+        inside = set(members)
+        self._outside = [j for j in range(len(self._all_params)) if j not in inside]
+        self._outside_trainable = False
+        for j in members:
+            handle = self._watch_handles.pop(j, None)
+            if handle is not None:
+                handle.remove()
+        self._names = [self._all_names[j] for j in members]
+        self._params = [self._all_params[j] for j in members]
+        self._index = {n: i for i, n in enumerate(self._names)}
+        self._infos = [
+            ParamInfo(n, p.numel(), p.dtype, p.device)
+            for n, p in zip(self._names, self._params, strict=True)
+        ]
 
         n = len(self._params)
         self._ready = [False] * n  # got its gradient in the current backward
         self._n_ready = 0
         self._used = [False] * n  # got a gradient since the last synced backward
         self._observed: list[int] | None = []  # ready order of the first backward
-        self._queued = False
         self._next = 0  # next bucket to launch, in plan order
 
-        self.plan = plan_buckets(
-            self._infos, cap_bytes=self._cap_bytes, first_cap_bytes=self._first_cap_bytes
+        self._install(
+            plan_buckets(
+                self._infos, cap_bytes=self._cap_bytes, first_cap_bytes=self._first_cap_bytes
+            )
         )
-        self._install(self.plan)
         # partial (C-implemented) rather than a closure: one Python frame less per parameter
         # per step on the hot path.
         self._handles = [
@@ -122,7 +157,7 @@ class Reducer:
         views: list[torch.Tensor] = [torch.empty(0)] * n
         bucket_of: list[_Bucket] = [None] * n  # type: ignore[list-item]
         for k, spec in enumerate(plan if self._communicates else ()):
-            extra = n if k == len(plan) - 1 else 0
+            extra = n + len(self._all_params) if k == len(plan) - 1 else 0
             storage = torch.zeros(spec.numel + extra, dtype=spec.dtype, device=spec.device)
             members = [self._index[name] for name in spec.names]
             bucket = _Bucket(storage, spec.numel, members)
@@ -142,6 +177,14 @@ class Reducer:
         self._views = views
         self._bucket_of = bucket_of
         self.plan = plan
+        if buckets:
+            # What the requires_grad part of the flags holds, before and after the sum, when
+            # exactly the planned parameters require a gradient on every rank.
+            last = buckets[-1].storage
+            mask = torch.zeros(len(self._all_params), dtype=last.dtype, device=last.device)
+            mask[self._members] = 1
+            self._grad_mask = mask
+            self._grad_mask_summed = mask * self.world_size
         if self.rank == 0:
             log.debug("bucketddp plan: %s", plan.describe())
 
@@ -191,6 +234,31 @@ class Reducer:
         return dist.get_global_rank(self.process_group, group_rank)
 
     # ----------------------------------------------------------------------- hooks
+    def watch_requires_grad(self) -> None:
+        """Before a forward: hook the parameters outside the plan that now require grad.
+
+        Costs nothing when every parameter is in the plan, and one attribute read per frozen
+        parameter otherwise. The hook does not reduce anything: it only makes sure the
+        end-of-backward callback runs, where the ranks agree on what to do.
+        """
+        if not self._outside:
+            return
+        trainable = False
+        for j in self._outside:
+            p = self._all_params[j]
+            if p.requires_grad:
+                trainable = True
+                if j not in self._watch_handles:
+                    self._watch_handles[j] = p.register_post_accumulate_grad_hook(
+                        self._on_outside_grad
+                    )
+        self._outside_trainable = trainable
+
+    def _on_outside_grad(self, param: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._finalize)
+
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         if not self._queued:
             self._queued = True
@@ -252,15 +320,23 @@ class Reducer:
 
     def _write_flags(self, flags: torch.Tensor) -> None:
         n = len(self._params)
+        counts, requires_grad = flags[:n], flags[n:]
         if self.find_unused_parameters:
             if all(self._used):
-                flags.fill_(1)
+                counts.fill_(1)
             else:
-                flags.copy_(torch.tensor(self._used, dtype=flags.dtype))
+                counts.copy_(torch.tensor(self._used, dtype=flags.dtype))
         elif self._n_ready == n:
-            flags.zero_()
+            counts.zero_()
         else:
-            flags.copy_(torch.tensor([not r for r in self._ready], dtype=flags.dtype))
+            counts.copy_(torch.tensor([not r for r in self._ready], dtype=flags.dtype))
+        if self._n_ready == n and not self._outside_trainable:
+            # Every planned parameter got a gradient, so it requires one; nothing else does.
+            requires_grad.copy_(self._grad_mask)
+        else:
+            requires_grad.copy_(
+                torch.tensor([p.requires_grad for p in self._all_params], dtype=flags.dtype)
+            )
 
     # --------------------------------------------------------------- end of backward
     def _finalize(self) -> None:
@@ -270,22 +346,35 @@ class Reducer:
             self._reset_step()
             return
         try:
-            error = self._reduce() if self._communicates else self._check_local()
+            error, joined = self._reduce() if self._communicates else self._check_local()
         finally:
             self._reset_step()
             self._used = [False] * len(self._used)
         if error is not None:
             raise RuntimeError(error)
-        if self._observed is not None:
+        if joined:
+            self._adopt(sorted(self._members + joined))
+            log.info(
+                "bucketddp: %d parameter(s) now require a gradient on every rank and join the "
+                "buckets: %s",
+                len(joined),
+                [self._all_names[j] for j in joined][:10],
+            )
+        elif self._observed is not None:
             self._rebuild_from_observed()
 
-    def _check_local(self) -> str | None:
+    def _check_local(self) -> tuple[str | None, list[int]]:
         """World size 1: nothing to reduce, only the unused-parameter contract to keep."""
+        joined = [j for j in self._outside if self._all_params[j].requires_grad]
         if self.find_unused_parameters or self._n_ready == len(self._ready):
-            return None
-        return self._missing_message([not r for r in self._ready])
+            return None, joined
+        missing = [
+            not r and p.requires_grad for r, p in zip(self._ready, self._params, strict=True)
+        ]
+        return (self._missing_message(missing) if any(missing) else None), joined
 
-    def _reduce(self) -> str | None:
+    def _reduce(self) -> tuple[str | None, list[int]]:
+        """Launch what is left, wait for everything and check; returns (error, joining params)."""
         locally_missing: list[int] = []
         if self._n_ready < len(self._ready):
             locally_missing = [i for i, r in enumerate(self._ready) if not r]
@@ -309,40 +398,116 @@ class Reducer:
 
         flags = self._buckets[-1].flags
         assert flags is not None
+        n = len(self._params)
+        counts, requires_grad = flags[:n], flags[n:]
+        frozen: list[bool] | None = None  # per planned parameter: frozen on every rank
+        joined: list[int] = []
+        if not torch.equal(requires_grad, self._grad_mask_summed):
+            ranks = [round(c) for c in requires_grad.tolist()]
+            differ = [j for j, c in enumerate(ranks) if 0 < c < self.world_size]
+            if differ:
+                return self._differ_message(differ, ranks), []
+            frozen = [ranks[j] == 0 for j in self._members]
+            joined = [j for j in self._outside if ranks[j] == self.world_size]
+
         if not self.find_unused_parameters:
-            if locally_missing or bool(flags.any()):
-                return self._missing_message([c > 0 for c in flags.tolist()])
+            if locally_missing or bool(counts.any()):
+                missing = [c > 0 for c in counts.tolist()]
+                if frozen is not None:
+                    missing = [m and not f for m, f in zip(missing, frozen, strict=True)]
+                if any(missing):
+                    return self._missing_message(missing), []
             if not self.gradient_as_bucket_view:
-                self._copy_back()
-            return None
-        used_anywhere = [c > 0 for c in flags.tolist()]
-        if self.gradient_as_bucket_view:
-            # A parameter unused here but used elsewhere takes the averaged gradient.
-            for i in locally_missing:
-                if used_anywhere[i] and self._params[i].grad is not self._views[i]:
-                    self._params[i].grad = self._views[i]
+                self._copy_back(None if frozen is None else [not f for f in frozen])
         else:
-            self._copy_back(used_anywhere)
+            # A parameter frozen everywhere counts as unused everywhere: grad untouched.
+            used_anywhere = [c > 0 for c in counts.tolist()]
+            if self.gradient_as_bucket_view:
+                # A parameter unused here but used elsewhere takes the averaged gradient.
+                for i in locally_missing:
+                    if used_anywhere[i] and self._params[i].grad is not self._views[i]:
+                        self._params[i].grad = self._views[i]
+            else:
+                self._copy_back(used_anywhere)
+        if joined:
+            return self._reduce_joined(joined), joined
+        return None, []
+
+    def _reduce_joined(self, joined: list[int]) -> str | None:
+        """Average the gradients of parameters that just became trainable on every rank.
+
+        They have no bucket slot yet, so they travel in one extra all-reduce per dtype and
+        device, each followed by one element counting the ranks that produced a gradient
+        for it. A parameter no rank produced a gradient for keeps ``.grad`` untouched.
+        """
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for j in joined:
+            p = self._all_params[j]
+            groups.setdefault((p.dtype, p.device), []).append(j)
+        missing: list[str] = []
+        for (dtype, device), members in groups.items():
+            params = [self._all_params[j] for j in members]
+            parts = [
+                torch.mul(p.grad.reshape(-1), self._scale)
+                if p.grad is not None
+                else torch.zeros(p.numel(), dtype=dtype, device=device)
+                for p in params
+            ]
+            produced = torch.tensor(
+                [p.grad is not None for p in params], dtype=dtype, device=device
+            )
+            flat = torch.cat([*parts, produced])
+            dist.all_reduce(flat, group=self.process_group)
+            sizes = [p.numel() for p in params]
+            *averages, ranks = flat.split([*sizes, len(params)])
+            for j, p, avg, count in zip(members, params, averages, ranks.tolist(), strict=True):
+                if count == 0:
+                    continue
+                if count < self.world_size and not self.find_unused_parameters:
+                    missing.append(self._all_names[j])
+                elif p.grad is None:
+                    p.grad = avg.view(p.shape).clone()
+                else:
+                    p.grad.copy_(avg.view(p.shape))
+        if missing:
+            return self._missing_message_for(missing)
         return None
 
-    def _copy_back(self, used_anywhere: list[bool] | None = None) -> None:
-        """gradient_as_bucket_view=False: write the averages into the .grad tensors."""
+    def _copy_back(self, take: list[bool] | None = None) -> None:
+        """gradient_as_bucket_view=False: write the averages into the .grad tensors.
+
+        ``take`` (per planned parameter) leaves out the globally unused or frozen ones,
+        whose ``.grad`` stays untouched, as torch DDP does.
+        """
         for i, p in enumerate(self._params):
-            if used_anywhere is not None and not used_anywhere[i]:
-                continue  # globally unused: grad left untouched, as torch DDP does
+            if take is not None and not take[i]:
+                continue
             if p.grad is None:
                 p.grad = self._views[i].clone()
             else:
                 p.grad.copy_(self._views[i])
 
     def _missing_message(self, missing_flags: list[bool]) -> str:
-        missing = [n for n, m in zip(self._names, missing_flags, strict=True) if m]
+        return self._missing_message_for(
+            [n for n, m in zip(self._names, missing_flags, strict=True) if m]
+        )
+
+    def _missing_message_for(self, missing: list[str]) -> str:
         shown = missing[:10] + (["..."] if len(missing) > 10 else [])
         return (
             f"BucketDataParallel: parameters {shown} received no gradient in this backward "
             "pass on at least one rank, so their gradients cannot be reduced. Pass "
             "find_unused_parameters=True, or make every parameter contribute to the loss on "
             "every rank."
+        )
+
+    def _differ_message(self, differ: list[int], ranks: list[int]) -> str:
+        shown = [f"{self._all_names[j]} ({ranks[j]} of {self.world_size})" for j in differ[:10]]
+        more = ", ..." if len(differ) > 10 else ""
+        return (
+            "BucketDataParallel: requires_grad differs between ranks for parameters "
+            f"{', '.join(shown)}{more} (figures: ranks on which it requires a gradient). "
+            "Freeze and unfreeze parameters alike on every rank, before the same forward."
         )
 
     @property
@@ -380,6 +545,7 @@ class Reducer:
 
     def remove(self) -> None:
         """Detach the hooks; the parameters keep their current gradients."""
-        for h in self._handles:
+        for h in [*self._handles, *self._watch_handles.values()]:
             h.remove()
         self._handles = []
+        self._watch_handles = {}
