@@ -17,7 +17,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.demos.transformer import LightningTransformer
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 QUIET: dict[str, Any] = {
     "accelerator": "cpu",
@@ -257,6 +257,38 @@ class MLP(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(_table(64, 5), batch_size=4)
+
+
+class Finetuned(pl.LightningModule):
+    """A backbone that BackboneFinetuning freezes before wrapping and unfreezes at epoch 1.
+
+    32 rows: 4 steps per epoch both at world size 2 (batches of 4 per rank) and at world
+    size 1 (batches of 8). Under DDP, Lightning's DistributedSampler shuffles with seed 0 and
+    rank r takes every other row of the permutation; with ``global_batches`` one process
+    draws the same permutation, so each of its steps sees the union of the ranks' rows.
+    """
+
+    def __init__(self, batch_size: int = 4, global_batches: bool = False) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.global_batches = global_batches
+        self.backbone = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.SGD(trainable, lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        rows = _table(32, 6)
+        if not self.global_batches:
+            return DataLoader(rows, batch_size=self.batch_size)
+        order = DistributedSampler(rows, num_replicas=1, rank=0, shuffle=True, seed=0)
+        return DataLoader(rows, batch_size=self.batch_size, sampler=order)
 
 
 # ----------------------------------------------------------------------- callbacks

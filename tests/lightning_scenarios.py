@@ -21,7 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 
 import bucketddp
 from bucketddp import BucketDDP
@@ -32,6 +32,7 @@ from lightning_models import (
     Boring,
     CountAllReduces,
     Counting,
+    Finetuned,
     GradNorms,
     Normed,
     Observe,
@@ -88,14 +89,21 @@ def swap(out: Path) -> dict[str, Any]:
         result[f"clip/{label}"] = weights(model)
         result[f"clip_norms/{label}"] = norms.norms
     # Manual optimization, two optimizers, toggle_model(sync_grad=...) accumulation.
+    # toggle_model freezes the other optimizer's parameters on every rank, which BucketDDP
+    # follows without find_unused_parameters ("bucket_default"); "ddp" needs the flag.
     for label, strategy in (
         ("ddp", "ddp_find_unused_parameters_true"),
         ("bucket", "bucket_ddp_find_unused_parameters_true"),
+        ("bucket_default", BucketDDP()),
     ):
         synced = SyncedBatches()
         _, model = fit(strategy, GAN, max_steps=8, callbacks=[synced])
         result[f"gan/{label}"] = weights(model)
         result[f"gan_synced/{label}"] = synced.batches
+    # A backbone unfrozen at epoch 1 by BackboneFinetuning (compared with finetune_single).
+    result["finetune/init"] = _finetune("init")
+    for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
+        result[f"finetune/{label}"] = _finetune(strategy)
     # accumulate_grad_batches=2 communicates once per two batches: count the all-reduces.
     for acc in (1, 2):
         count, synced = CountAllReduces(), SyncedBatches()
@@ -110,6 +118,29 @@ def swap(out: Path) -> dict[str, Any]:
         result[f"synced/acc{acc}"] = synced.batches
         result[f"buckets/acc{acc}"] = count.buckets
     return result
+
+
+def _finetune(strategy: Any, devices: int = 2) -> dict[str, torch.Tensor]:
+    """Weights after three epochs of Finetuned with BackboneFinetuning ("init": before)."""
+    make = functools.partial(Finetuned, batch_size=8 // devices, global_batches=devices == 1)
+    if strategy == "init":
+        pl.seed_everything(0, verbose=False)
+        return weights(make())
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+    _, model = _fit(
+        strategy,
+        make,
+        devices=devices,
+        max_epochs=3,
+        limit_val_batches=0,
+        callbacks=[finetuning],
+    )
+    return weights(model)
+
+
+def finetune_single(out: Path) -> dict[str, Any]:
+    """The ground truth of the swap scenario's finetune runs: one process, global batches."""
+    return {"single": _finetune("auto", devices=1)}
 
 
 # ------------------------------------------------------------------------ lifecycle
@@ -322,6 +353,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "lifecycle": lifecycle,
     "resume_elsewhere": resume_elsewhere,
     "spawn": spawn,
+    "finetune_single": finetune_single,
     "torchrun": torchrun,
 }
 

@@ -245,8 +245,28 @@ def test_accumulation_communicates_once_per_k_batches(swap: list[dict[str, Any]]
 def test_manual_optimization_with_toggle_model(swap: list[dict[str, Any]]) -> None:
     for rank in swap:
         assert_same(rank["gan/ddp"], rank["gan/bucket"], tol=1e-6)
+        assert_same(rank["gan/ddp"], rank["gan/bucket_default"], tol=1e-6)
         # toggle_model(sync_grad=False) on even batches: only odd batches communicate.
         assert rank["gan_synced/bucket"] == [1, 3, 1, 3]
+        assert rank["gan_synced/bucket_default"] == [1, 3, 1, 3]
+
+
+def test_backbone_finetuning_matches_one_process(
+    swap: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    (truth,) = scenario("finetune_single", tmp_path)
+    for rank in swap:
+        # The backbone, frozen when the model was wrapped, trained from epoch 1 on.
+        assert moved(
+            {"w": rank["finetune/init"]["backbone.0.weight"]},
+            {"w": rank["finetune/bucket"]["backbone.0.weight"]},
+        )
+        assert_same(rank["finetune/bucket"], truth["single"], tol=1e-6)
+    # Lightning's DDP never reduces the unfrozen backbone: its ranks drift apart.
+    r0, r1 = swap
+    assert not torch.equal(
+        r0["finetune/ddp"]["backbone.0.weight"], r1["finetune/ddp"]["backbone.0.weight"]
+    )
 
 
 # ------------------------------------------------------------- fit, checkpoint, resume
