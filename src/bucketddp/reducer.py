@@ -34,6 +34,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from .buckets import MB, BucketPlan, ParamInfo, plan_buckets
+from .comm import all_reduce_coalesced
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +179,13 @@ class Reducer:
         self._bucket_of = bucket_of
         self.plan = plan
         if buckets:
-            # What the requires_grad part of the flags holds, before and after the sum, when
-            # exactly the planned parameters require a gradient on every rank.
+            # The flags' two parts: per planned parameter a count (missing or used ranks),
+            # then per model parameter the ranks on which it requires a gradient.
+            flags = buckets[-1].flags
+            assert flags is not None
+            self._counts, self._requires_grad = flags[:n], flags[n:]
+            # What the requires_grad part holds, before and after the sum, when exactly the
+            # planned parameters require a gradient on every rank.
             last = buckets[-1].storage
             mask = torch.zeros(len(self._all_params), dtype=last.dtype, device=last.device)
             mask[self._members] = 1
@@ -314,28 +320,28 @@ class Reducer:
         while self._next < len(buckets) and buckets[self._next].pending == 0:
             bucket = buckets[self._next]
             if bucket.flags is not None:
-                self._write_flags(bucket.flags)
+                self._write_flags()
             bucket.work = dist.all_reduce(bucket.storage, group=self.process_group, async_op=True)
             self._next += 1
 
-    def _write_flags(self, flags: torch.Tensor) -> None:
+    def _write_flags(self) -> None:
         n = len(self._params)
-        counts, requires_grad = flags[:n], flags[n:]
+        counts, requires_grad = self._counts, self._requires_grad
         if self.find_unused_parameters:
             if all(self._used):
                 counts.fill_(1)
             else:
-                counts.copy_(torch.tensor(self._used, dtype=flags.dtype))
+                counts.copy_(torch.tensor(self._used, dtype=counts.dtype))
         elif self._n_ready == n:
             counts.zero_()
         else:
-            counts.copy_(torch.tensor([not r for r in self._ready], dtype=flags.dtype))
+            counts.copy_(torch.tensor([not r for r in self._ready], dtype=counts.dtype))
         if self._n_ready == n and not self._outside_trainable:
             # Every planned parameter got a gradient, so it requires one; nothing else does.
             requires_grad.copy_(self._grad_mask)
         else:
             requires_grad.copy_(
-                torch.tensor([p.requires_grad for p in self._all_params], dtype=flags.dtype)
+                torch.tensor([p.requires_grad for p in self._all_params], dtype=counts.dtype)
             )
 
     # --------------------------------------------------------------- end of backward
@@ -396,10 +402,7 @@ class Reducer:
             buckets=len(self._buckets),
         )
 
-        flags = self._buckets[-1].flags
-        assert flags is not None
-        n = len(self._params)
-        counts, requires_grad = flags[:n], flags[n:]
+        counts, requires_grad = self._counts, self._requires_grad
         frozen: list[bool] | None = None  # per planned parameter: frozen on every rank
         joined: list[int] = []
         if not torch.equal(requires_grad, self._grad_mask_summed):
@@ -436,39 +439,31 @@ class Reducer:
     def _reduce_joined(self, joined: list[int]) -> str | None:
         """Average the gradients of parameters that just became trainable on every rank.
 
-        They have no bucket slot yet, so they travel in one extra all-reduce per dtype and
-        device, each followed by one element counting the ranks that produced a gradient
-        for it. A parameter no rank produced a gradient for keeps ``.grad`` untouched.
+        They have no bucket slot yet, so they travel in one extra all-reduce per dtype,
+        each with one more element counting the ranks that produced a gradient for it. A
+        parameter no rank produced a gradient for keeps ``.grad`` untouched.
         """
-        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        for j in joined:
-            p = self._all_params[j]
-            groups.setdefault((p.dtype, p.device), []).append(j)
+        params = [self._all_params[j] for j in joined]
+        averages = [
+            torch.mul(p.grad, self._scale) if p.grad is not None else torch.zeros_like(p)
+            for p in params
+        ]
+        produced = [
+            torch.full((1,), float(p.grad is not None), dtype=p.dtype, device=p.device)
+            for p in params
+        ]
+        all_reduce_coalesced([*averages, *produced], dist.ReduceOp.SUM, self.process_group)
         missing: list[str] = []
-        for (dtype, device), members in groups.items():
-            params = [self._all_params[j] for j in members]
-            parts = [
-                torch.mul(p.grad.reshape(-1), self._scale)
-                if p.grad is not None
-                else torch.zeros(p.numel(), dtype=dtype, device=device)
-                for p in params
-            ]
-            produced = torch.tensor(
-                [p.grad is not None for p in params], dtype=dtype, device=device
-            )
-            flat = torch.cat([*parts, produced])
-            dist.all_reduce(flat, group=self.process_group)
-            sizes = [p.numel() for p in params]
-            *averages, ranks = flat.split([*sizes, len(params)])
-            for j, p, avg, count in zip(members, params, averages, ranks.tolist(), strict=True):
-                if count == 0:
-                    continue
-                if count < self.world_size and not self.find_unused_parameters:
-                    missing.append(self._all_names[j])
-                elif p.grad is None:
-                    p.grad = avg.view(p.shape).clone()
-                else:
-                    p.grad.copy_(avg.view(p.shape))
+        for j, p, avg, ranks in zip(joined, params, averages, produced, strict=True):
+            count = ranks.item()
+            if count == 0:
+                continue
+            if count < self.world_size and not self.find_unused_parameters:
+                missing.append(self._all_names[j])
+            elif p.grad is None:
+                p.grad = avg
+            else:
+                p.grad.copy_(avg)
         if missing:
             return self._missing_message_for(missing)
         return None
