@@ -329,8 +329,11 @@ def _train_data(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor
     ]
 
 
-def _ddp_worker(rank: int, world: int, steps: int, per_rank: int) -> dict[str, Any]:
+def _ddp_worker(rank: int, world: int, steps: int, per_rank: int, compiled: bool) -> dict[str, Any]:
     model = BucketDataParallel(convert_sync_batchnorm(_conv_net()))
+    if compiled:
+        # Dynamo traces the layers' all-reduces into the graph.
+        model = torch.compile(model, backend="aot_eager")  # type: ignore[assignment]
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in _train_data(steps, per_rank * world):
         rows = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -346,9 +349,10 @@ def _ddp_worker(rank: int, world: int, steps: int, per_rank: int) -> dict[str, A
     }
 
 
-def test_bucket_data_parallel_matches_single_process_training():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bucket_data_parallel_matches_single_process_training(compiled: bool):
     steps, per_rank = 3, 4
-    results = run_ranks(_ddp_worker, 2, steps, per_rank, timeout=120)
+    results = run_ranks(_ddp_worker, 2, steps, per_rank, compiled, timeout=120)
 
     model = _conv_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -116,13 +116,22 @@ class BucketDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Sync buffers when due, then run the wrapped module."""
+        if torch.compiler.is_compiling():
+            # Under torch.compile the bookkeeping (collectives, hooks) runs eagerly at one
+            # graph break and only the wrapped module is compiled. Deciding here, rather than
+            # decorating the method, keeps torch._dynamo out of eager programs.
+            torch.compiler.disable(self._before_forward)()
+        else:
+            self._before_forward()
+        return self.module(*args, **kwargs)
+
+    def _before_forward(self) -> None:
         if self.reducer.step_unfinished:
             self.reducer.discard_step()
         if self._sync_buffers_next:
             self.buffers_sync.sync()
         self.reducer.watch_requires_grad()
         self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
-        return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

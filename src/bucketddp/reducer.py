@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,26 @@ from .buckets import MB, BucketPlan, ParamInfo, plan_buckets
 from .comm import all_reduce_coalesced
 
 log = logging.getLogger(__name__)
+
+_COMPILED_AUTOGRAD = (
+    "BucketDataParallel does not support compiled autograd "
+    "(torch._dynamo.config.compiled_autograd): its gradient hooks launch collectives and "
+    "wait for them outside any graph. Turn compiled autograd off; torch.compile of the "
+    "model, inside or outside the wrapper, is supported."
+)
+
+
+def _compiled_autograd() -> bool:
+    """Whether this backward runs under compiled autograd, where the hooks cannot work.
+
+    Dynamo traces the hooks there (``is_compiling``). Where it falls back to running one
+    eagerly, compiled autograd's own flag tells (a private module attribute, read only if
+    that module is loaded). Checked once per backward, at its first hook.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(module, "in_compiled_autograd_region", False))
 
 
 @dataclass(frozen=True)
@@ -262,13 +283,18 @@ class Reducer:
 
     def _on_outside_grad(self, param: torch.Tensor) -> None:
         if not self._queued:
-            self._queued = True
-            Variable._execution_engine.queue_callback(self._finalize)
+            self._queue_finalize()
+
+    def _queue_finalize(self) -> None:
+        """At a backward's first hook: have the autograd engine call ``_finalize`` at its end."""
+        if _compiled_autograd():
+            raise RuntimeError(_COMPILED_AUTOGRAD)
+        self._queued = True
+        Variable._execution_engine.queue_callback(self._finalize)
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         if not self._queued:
-            self._queued = True
-            Variable._execution_engine.queue_callback(self._finalize)
+            self._queue_finalize()
         if self._ready[i]:
             raise RuntimeError(
                 f"parameter {self._names[i]!r} received a gradient twice in one backward pass; "
