@@ -100,6 +100,9 @@ def swap(out: Path) -> dict[str, Any]:
         _, model = fit(strategy, GAN, max_steps=8, callbacks=[synced])
         result[f"gan/{label}"] = weights(model)
         result[f"gan_synced/{label}"] = synced.batches
+    # A model compiled before fit: Lightning compiles its training_step, the strategy wraps.
+    for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
+        result[f"compiled/{label}"], result[f"compiled_graphs/{label}"] = _compiled(strategy)
     # A backbone unfrozen at epoch 1 by BackboneFinetuning (compared with finetune_single).
     result["finetune/init"] = _finetune("init")
     for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
@@ -118,6 +121,19 @@ def swap(out: Path) -> dict[str, Any]:
         result[f"synced/acc{acc}"] = synced.batches
         result[f"buckets/acc{acc}"] = count.buckets
     return result
+
+
+def _compiled(strategy: Any) -> tuple[dict[str, torch.Tensor], int]:
+    """Weights after fitting ``torch.compile(Boring())``, and the graphs Dynamo compiled."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    pl.seed_everything(0, verbose=False)
+    model = Boring()
+    trainer = pl.Trainer(**QUIET, devices=2, strategy=strategy, max_steps=4, limit_val_batches=0)
+    trainer.fit(torch.compile(model, backend="aot_eager"))
+    return weights(model), counters["stats"]["unique_graphs"]
 
 
 def _finetune(strategy: Any, devices: int = 2) -> dict[str, torch.Tensor]:

@@ -251,6 +251,13 @@ def test_manual_optimization_with_toggle_model(swap: list[dict[str, Any]]) -> No
         assert rank["gan_synced/bucket_default"] == [1, 3, 1, 3]
 
 
+def test_compiled_model_gives_the_weights_of_ddp(swap: list[dict[str, Any]]) -> None:
+    for rank in swap:
+        assert rank["compiled_graphs/bucket"] >= 1, "Lightning did not compile the model"
+        assert moved(rank["boring/init"], rank["compiled/bucket"])
+        assert_same(rank["compiled/ddp"], rank["compiled/bucket"], tol=1e-6)
+
+
 def test_backbone_finetuning_matches_one_process(
     swap: list[dict[str, Any]], tmp_path: Path
 ) -> None:
