@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _structure
 from .buckets import BucketPlan, check_bucket_sizes
 from .buffers import BufferSync, Policy
 from .comm import broadcast_coalesced, verify_same_model
@@ -113,6 +114,10 @@ class BucketDataParallel(nn.Module):
         # torch DDP's rule: buffers are synced before a forward that follows a synced,
         # grad-enabled forward (and before the very first one).
         self._sync_buffers_next = True
+        # Parameter and submodule assignments in the process, when the parameters were
+        # last compared with the reducer's: a change means they may have been replaced.
+        _structure.watch()
+        self._registrations = _structure.registrations()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Sync buffers when due, then run the wrapped module."""
@@ -126,12 +131,28 @@ class BucketDataParallel(nn.Module):
         return self.module(*args, **kwargs)
 
     def _before_forward(self) -> None:
+        if self._registrations != _structure.registrations():
+            self._check_parameters()
         if self.reducer.step_unfinished:
             self.reducer.discard_step()
         if self._sync_buffers_next:
             self.buffers_sync.sync()
         self.reducer.watch_requires_grad()
         self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
+
+    def _check_parameters(self) -> None:
+        """Tell the reducer if the module's Parameter objects are no longer those it hooks."""
+        self._registrations = _structure.registrations()
+        current = list(self.module.named_parameters())
+        known = {id(p) for p in self.reducer.all_params}
+        now = {id(p) for _, p in current}
+        added = [(n, p) for n, p in current if id(p) not in known]
+        removed = [
+            n
+            for n, p in zip(self.reducer.all_names, self.reducer.all_params, strict=True)
+            if id(p) not in now
+        ]
+        self.reducer.module_changed(added, removed)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -16,7 +16,9 @@ trainable or not: the ranks on which it requires a gradient. That is how ranks a
 ``requires_grad`` changes made after wrapping (unfreezing a backbone, say): a parameter
 frozen on every rank is skipped, one unfrozen on every rank joins the plan at the end of
 the first backward that sees it (its gradient for that step is averaged then, in one
-extra collective), and one that differs between ranks is an error on every rank.
+extra collective), and one that differs between ranks is an error on every rank. The very
+last element counts the ranks whose module gained parameters after wrapping (see
+``module_changed``): any is an error on every rank.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ class Reducer:
         # Hooks on parameters outside the plan that a rank saw become trainable: they only
         # make sure the end-of-backward callback runs, where the ranks agree what to do.
         self._watch_handles: dict[int, RemovableHandle] = {}
+        # Parameters the module gained or lost after wrapping, as (added, removed) names.
+        self._changed: tuple[list[str], list[str]] | None = None
+        self._changed_handles: list[RemovableHandle] = []
         self._adopt(trainable)
 
     def _adopt(self, members: list[int]) -> None:
@@ -179,7 +184,7 @@ class Reducer:
         views: list[torch.Tensor] = [torch.empty(0)] * n
         bucket_of: list[_Bucket] = [None] * n  # type: ignore[list-item]
         for k, spec in enumerate(plan if self._communicates else ()):
-            extra = n + len(self._all_params) if k == len(plan) - 1 else 0
+            extra = n + len(self._all_params) + 1 if k == len(plan) - 1 else 0
             storage = torch.zeros(spec.numel + extra, dtype=spec.dtype, device=spec.device)
             members = [self._index[name] for name in spec.names]
             bucket = _Bucket(storage, spec.numel, members)
@@ -201,19 +206,30 @@ class Reducer:
         self.plan = plan
         if buckets:
             # The flags' two parts: per planned parameter a count (missing or used ranks),
-            # then per model parameter the ranks on which it requires a gradient.
+            # then the agreement part: per model parameter the ranks on which it requires a
+            # gradient, and last the ranks whose module gained parameters after wrapping.
             flags = buckets[-1].flags
             assert flags is not None
-            self._counts, self._requires_grad = flags[:n], flags[n:]
-            # What the requires_grad part holds, before and after the sum, when exactly the
-            # planned parameters require a gradient on every rank.
+            self._counts, self._agreement = flags[:n], flags[n:]
+            # What the agreement part holds, before and after the sum, when exactly the
+            # planned parameters require a gradient on every rank and no module changed.
             last = buckets[-1].storage
-            mask = torch.zeros(len(self._all_params), dtype=last.dtype, device=last.device)
+            mask = torch.zeros(len(self._all_params) + 1, dtype=last.dtype, device=last.device)
             mask[self._members] = 1
-            self._grad_mask = mask
-            self._grad_mask_summed = mask * self.world_size
+            self._agreed = mask
+            self._agreed_summed = mask * self.world_size
         if self.rank == 0:
             log.debug("bucketddp plan: %s", plan.describe())
+
+    @property
+    def all_names(self) -> list[str]:
+        """The names of every parameter of the model when it was wrapped."""
+        return self._all_names
+
+    @property
+    def all_params(self) -> list[nn.Parameter]:
+        """Every parameter of the model when it was wrapped, trainable or not."""
+        return self._all_params
 
     @property
     def learned_order(self) -> list[str] | None:
@@ -281,6 +297,26 @@ class Reducer:
                     )
         self._outside_trainable = trainable
 
+    def module_changed(
+        self, added: Sequence[tuple[str, nn.Parameter]], removed: Sequence[str]
+    ) -> None:
+        """The module holds ``added`` parameters it did not hold when it was wrapped.
+
+        Every later synced backward raises, on every rank (the change travels in the last
+        bucket), until the module is wrapped again (or ``added`` is empty again). ``removed``
+        only completes the message: a parameter that left the module gets no gradient, which
+        the unused-parameter rules already cover. The added parameters are hooked only to make
+        sure such a backward reaches its end-of-backward callback.
+        """
+        self._changed = ([n for n, _ in added], list(removed)) if added else None
+        for h in self._changed_handles:
+            h.remove()
+        self._changed_handles = [
+            p.register_post_accumulate_grad_hook(self._on_outside_grad)
+            for _, p in added
+            if p.requires_grad
+        ]
+
     def _on_outside_grad(self, param: torch.Tensor) -> None:
         if not self._queued:
             self._queue_finalize()
@@ -337,6 +373,13 @@ class Reducer:
                 f"parameter {self._names[i]!r} has a {grad.layout} gradient; bucketddp reduces "
                 "dense gradients only (for nn.Embedding, pass sparse=False)"
             )
+        if grad.dtype != view.dtype:
+            raise RuntimeError(
+                f"parameter {self._names[i]!r} now has a {grad.dtype} gradient, but it was "
+                f"{view.dtype} when the module was wrapped and its bucket holds {view.dtype}. "
+                "Convert the module (.to(dtype), .double(), .half()) before wrapping it, or "
+                "wrap it again after converting."
+            )
         torch.mul(grad, self._scale, out=view)
         return view
 
@@ -352,7 +395,7 @@ class Reducer:
 
     def _write_flags(self) -> None:
         n = len(self._params)
-        counts, requires_grad = self._counts, self._requires_grad
+        counts, agreement = self._counts, self._agreement
         if self.find_unused_parameters:
             if all(self._used):
                 counts.fill_(1)
@@ -362,13 +405,12 @@ class Reducer:
             counts.zero_()
         else:
             counts.copy_(torch.tensor([not r for r in self._ready], dtype=counts.dtype))
-        if self._n_ready == n and not self._outside_trainable:
+        if self._n_ready == n and not self._outside_trainable and self._changed is None:
             # Every planned parameter got a gradient, so it requires one; nothing else does.
-            requires_grad.copy_(self._grad_mask)
+            agreement.copy_(self._agreed)
         else:
-            requires_grad.copy_(
-                torch.tensor([p.requires_grad for p in self._all_params], dtype=counts.dtype)
-            )
+            local = [p.requires_grad for p in self._all_params]
+            agreement.copy_(torch.tensor([*local, self._changed is not None], dtype=counts.dtype))
 
     # --------------------------------------------------------------- end of backward
     def _finalize(self) -> None:
@@ -397,6 +439,8 @@ class Reducer:
 
     def _check_local(self) -> tuple[str | None, list[int]]:
         """World size 1: nothing to reduce, only the unused-parameter contract to keep."""
+        if self._changed is not None:
+            return self._changed_message(1), []
         joined = [j for j in self._outside if self._all_params[j].requires_grad]
         if self.find_unused_parameters or self._n_ready == len(self._ready):
             return None, joined
@@ -428,11 +472,13 @@ class Reducer:
             buckets=len(self._buckets),
         )
 
-        counts, requires_grad = self._counts, self._requires_grad
+        counts = self._counts
         frozen: list[bool] | None = None  # per planned parameter: frozen on every rank
         joined: list[int] = []
-        if not torch.equal(requires_grad, self._grad_mask_summed):
-            ranks = [round(c) for c in requires_grad.tolist()]
+        if not torch.equal(self._agreement, self._agreed_summed):
+            *ranks, changed = [round(c) for c in self._agreement.tolist()]
+            if changed:
+                return self._changed_message(changed), []
             differ = [j for j, c in enumerate(ranks) if 0 < c < self.world_size]
             if differ:
                 return self._differ_message(differ, ranks), []
@@ -522,6 +568,32 @@ class Reducer:
             "every rank."
         )
 
+    def _changed_message(self, ranks: int) -> str:
+        where = f"on {ranks} of {self.world_size} ranks"
+        if self._changed is None:
+            what = "(none on this rank)"
+        else:
+            added, removed = self._changed
+            replaced = [n for n in added if n in removed]
+            parts = [
+                f"{label} {_first_names(names)}"
+                for label, names in (
+                    ("replaced", replaced),
+                    ("added", [n for n in added if n not in replaced]),
+                    ("removed", [n for n in removed if n not in replaced]),
+                )
+                if names
+            ]
+            what = "(here: " + "; ".join(parts) + ")"
+        return (
+            f"BucketDataParallel: the wrapped module gained parameters after wrapping, {where} "
+            f"{what}. The wrapper reduces the Parameter objects the module held when it was "
+            "wrapped, so a new one would train on each rank's own gradient. Add or replace layers, "
+            "call load_state_dict(assign=True) or apply weight_norm before wrapping, or wrap "
+            "the module again afterwards; to load weights into a wrapped module, use "
+            "load_state_dict without assign=True, which copies in place."
+        )
+
     def _differ_message(self, differ: list[int], ranks: list[int]) -> str:
         shown = [f"{self._all_names[j]} ({ranks[j]} of {self.world_size})" for j in differ[:10]]
         more = ", ..." if len(differ) > 10 else ""
@@ -566,7 +638,12 @@ class Reducer:
 
     def remove(self) -> None:
         """Detach the hooks; the parameters keep their current gradients."""
-        for h in [*self._handles, *self._watch_handles.values()]:
+        for h in [*self._handles, *self._watch_handles.values(), *self._changed_handles]:
             h.remove()
         self._handles = []
         self._watch_handles = {}
+        self._changed_handles = []
+
+
+def _first_names(names: list[str], limit: int = 10) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")

@@ -1,0 +1,183 @@
+"""Changes to the wrapped module after wrapping, on real gloo process groups.
+
+A Parameter object added after wrapping has no gradient hook, so its gradient would never
+be averaged. bucketddp raises on every rank at the next synced backward instead. (torch
+DDP, depending on the case, trains on with each rank on its own gradient, or fails one
+step later with "Expected to have finished reduction in the prior iteration".) Changes
+that add no Parameter object must not be mistaken for one: those runs must equal one
+process training on the global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.nn.utils.parametrize as parametrize
+from torch import nn
+
+from bucketddp import BucketDataParallel
+from models import batch, build
+from multirank import run_ranks
+
+
+def _replace_head(model: nn.Module) -> None:
+    model.net[4] = nn.Linear(32, 4)
+
+
+def _assign_state(model: nn.Module) -> None:
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+
+
+def _add_layer(model: nn.Module) -> None:
+    model.extra = nn.Linear(4, 4)
+
+
+def _weight_norm(model: nn.Module) -> None:
+    # Replaces net.4.weight by two new Parameters, the magnitude and the direction.
+    torch.nn.utils.parametrizations.weight_norm(model.net[4])
+
+
+CHANGES: dict[str, Callable[[nn.Module], None]] = {
+    "replace_head": _replace_head,
+    "load_state_dict_assign": _assign_state,
+    "add_layer": _add_layer,
+    "weight_norm": _weight_norm,
+}
+
+
+def _change_then_train(
+    rank: int, world: int, change: str, ranks: tuple[int, ...], opts: dict[str, Any]
+) -> dict[str, Any]:
+    model = build("mlp")
+    wrapped = BucketDataParallel(model, **opts)
+    outcome: dict[str, Any] = {"errors": []}
+    for step in range(3):
+        if step == 1 and rank in ranks:
+            CHANGES[change](model)
+        x, y = batch("mlp", step, rank)
+        out = wrapped(x)
+        if hasattr(model, "extra"):
+            out = model.extra(out)
+        try:
+            F.mse_loss(out, y).backward()
+        except RuntimeError as e:
+            outcome["errors"].append((step, str(e)))
+        model.zero_grad()
+    return outcome
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_new_parameters_raise_on_every_rank(change: str, find_unused: bool) -> None:
+    opts = {"find_unused_parameters": find_unused}
+    results = run_ranks(_change_then_train, 2, change, (0, 1), opts, timeout=60)
+    for r in results:
+        steps = [step for step, _ in r["errors"]]
+        assert steps == [1, 2], r["errors"]  # from the first backward after the change on
+        message = r["errors"][0][1]
+        assert "gained parameters after wrapping, on 2 of 2 ranks" in message
+        assert "wrap the module again" in message
+        if change == "replace_head":
+            assert "replaced net.4.weight, net.4.bias)" in message
+        elif change == "add_layer":
+            assert "added extra.weight, extra.bias)" in message
+        elif change == "weight_norm":
+            assert (
+                "added net.4.parametrizations.weight.original0, "
+                "net.4.parametrizations.weight.original1; removed net.4.weight)"
+            ) in message
+        else:
+            assert "replaced net.0.weight, net.0.bias, net.2.weight" in message
+
+
+def test_change_on_one_rank_raises_on_every_rank() -> None:
+    results = run_ranks(_change_then_train, 2, "replace_head", (1,), {}, timeout=60)
+    unchanged, changed = (r["errors"][0][1] for r in results)
+    assert "on 1 of 2 ranks (none on this rank)" in unchanged
+    assert "on 1 of 2 ranks (here: replaced net.4.weight, net.4.bias)" in changed
+
+
+def test_world_size_1_raises_too() -> None:
+    (result,) = run_ranks(_change_then_train, 1, "replace_head", (0,), {}, timeout=60)
+    assert [step for step, _ in result["errors"]] == [1, 2]
+    assert "on 1 of 1 ranks (here: replaced net.4.weight" in result["errors"][0][1]
+
+
+def _convert_dtype(rank: int, world: int) -> list[str]:
+    model = build("mlp")
+    wrapped = BucketDataParallel(model)
+    errors = []
+    for step in range(2):
+        x, y = batch("mlp", step, rank)
+        if step == 1:
+            model.double()
+            x, y = x.double(), y.double()
+        try:
+            F.mse_loss(wrapped(x), y).backward()
+        except RuntimeError as e:
+            errors.append(str(e))
+        model.zero_grad()
+    return errors
+
+
+def test_dtype_conversion_after_wrapping_is_named() -> None:
+    for errors in run_ranks(_convert_dtype, 2, timeout=60):
+        assert len(errors) == 1
+        assert "now has a torch.float64 gradient, but it was torch.float32" in errors[0]
+        assert "before wrapping it" in errors[0]
+
+
+# ---------------------------------------------------- changes that add no parameter
+class _Twice(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+def _harmless_changes(model: nn.Module) -> None:
+    nn.Linear(3, 3)  # an unrelated module: parameters registered elsewhere
+    model.net[1] = nn.ReLU()  # a new submodule without parameters
+    model.load_state_dict(model.state_dict())  # copies in place
+    # Moves net.2.weight to net.2.parametrizations.weight.original: the same Parameter.
+    parametrize.register_parametrization(model.net[2], "weight", _Twice())
+
+
+def _train_with_changes(rank: int, world: int, remove: bool) -> dict[str, torch.Tensor]:
+    """Four steps with the harmless changes before step 2; world 0 means one process
+    training on the global batch of two ranks (the ground truth). ``remove`` also drops a
+    parameter, which find_unused_parameters=True allows."""
+    model = build("mlp")
+    wrapped = BucketDataParallel(model, find_unused_parameters=remove) if world else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(4):
+        if step == 2:
+            _harmless_changes(model)
+            if remove:
+                model.net[4].bias = None
+        if world:
+            x, y = batch("mlp", step, rank)
+        else:
+            x, y = (
+                torch.cat(t) for t in zip(batch("mlp", step, 0), batch("mlp", step, 1), strict=True)
+            )
+        F.mse_loss(wrapped(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("remove", [False, True])
+def test_changes_that_add_no_parameter_still_match_one_process(remove: bool) -> None:
+    # torch DDP is no ground truth here: after register_parametrization it stops reducing
+    # net.2's weight ("Expected to have finished reduction in the prior iteration").
+    truth = _train_with_changes(0, 0, remove)
+    assert "net.2.parametrizations.weight.original" in truth
+    assert ("net.4.bias" in truth) is not remove
+    for ours in run_ranks(_train_with_changes, 2, remove, timeout=60):
+        assert ours.keys() == truth.keys()
+        for name, want in truth.items():
+            torch.testing.assert_close(ours[name], want, rtol=0, atol=1e-6, msg=name)
