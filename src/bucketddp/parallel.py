@@ -43,10 +43,16 @@ class BucketDataParallel(nn.Module):
             ``default_buffer_policy="none"``.
         buffer_sync: a policy per buffer name or fnmatch pattern (see ``docs/buffers.md``).
         default_buffer_policy: the policy of buffers no rule names.
+        device_ids: torch DDP's argument, for a module on one accelerator: ``[local_rank]``
+            or ``[device]``, naming the module's own device. Tensors in the forward's
+            arguments are then moved to it, as torch DDP does. None (the default) or ``[]``
+            for a CPU module.
+        output_device: torch DDP's argument: None, or the device of ``device_ids``.
 
     Raises:
         RuntimeError: when no process group is initialized, or the ranks' models differ.
-        ValueError: on bad bucket sizes or buffer policies.
+        ValueError: on bad bucket sizes or buffer policies, or ``device_ids`` and
+            ``output_device`` that do not name the module's one accelerator.
     """
 
     def __init__(
@@ -61,8 +67,13 @@ class BucketDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         buffer_sync: Mapping[str, Policy] | None = None,
         default_buffer_policy: Policy | None = None,
+        device_ids: Sequence[int | str | torch.device] | None = None,
+        output_device: int | str | torch.device | None = None,
     ) -> None:
         super().__init__()
+        self._input_device = input_device(
+            {p.device for p in module.parameters()}, device_ids, output_device
+        )
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "BucketDataParallel needs a process group: call "
@@ -128,6 +139,8 @@ class BucketDataParallel(nn.Module):
             torch.compiler.disable(self._before_forward)()
         else:
             self._before_forward()
+        if self._input_device is not None:
+            args, kwargs = to_device((args, kwargs), self._input_device)
         return self.module(*args, **kwargs)
 
     def _before_forward(self) -> None:
@@ -191,6 +204,75 @@ class BucketDataParallel(nn.Module):
         """Detach the reducer's and the buffer sync's hooks, leaving ``.module`` plain."""
         self.reducer.remove()
         self.buffers_sync.remove()
+
+
+def input_device(
+    devices: set[torch.device],
+    device_ids: Sequence[int | str | torch.device] | None,
+    output_device: int | str | torch.device | None,
+) -> torch.device | None:
+    """The device that ``device_ids`` names for a module on ``devices``, or None.
+
+    torch DDP's rules: only a module on a single accelerator takes ``device_ids``, one
+    device per process; ``output_device`` may only repeat it. An integer is an index on the
+    module's device type.
+
+    Raises:
+        ValueError: naming the arguments, the module's devices and what to pass instead.
+    """
+    if not device_ids and output_device is None:
+        return None
+    shown = ", ".join(sorted(str(d) for d in devices)) or "no parameters"
+    both = f"device_ids={list(device_ids or [])} and output_device={output_device!r}"
+    if len(devices) != 1:
+        raise ValueError(
+            f"{both} apply to a module on one accelerator, but the module's parameters are on "
+            f"{shown}; pass neither for a module that spans devices"
+        )
+    if next(iter(devices)).type == "cpu":
+        raise ValueError(
+            f"{both} apply to a module on one accelerator, but the module's parameters are on "
+            "cpu; pass neither (the default) for a CPU module, or move the module to its "
+            "accelerator first"
+        )
+    (device,) = devices
+    if not device_ids or len(device_ids) != 1:
+        raise ValueError(
+            f"device_ids={list(device_ids or [])}: give exactly one device per process, the "
+            f"module's own ({device}), e.g. device_ids=[local_rank]"
+        )
+    for arg, given in (("device_ids[0]", device_ids[0]), ("output_device", output_device)):
+        if given is None:
+            continue
+        named = torch.device(device.type, given) if isinstance(given, int) else torch.device(given)
+        # A device without an index ("cuda") names the module's own, as in torch DDP.
+        if named.type != device.type or named.index not in (None, device.index):
+            raise ValueError(
+                f"{arg} names {named}, but the module's parameters are on {device}; move the "
+                f"module with .to({str(named)!r}) before wrapping it, or pass "
+                f"device_ids=[{device.index}]"
+            )
+    return device
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor moved to ``device``, through tuples, lists and dicts.
+
+    Containers keep their class (namedtuples included); anything else is returned as is.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        moved = [to_device(x, device) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if isinstance(obj, list):
+        return [to_device(x, device) for x in obj]
+    if isinstance(obj, dict):
+        out = obj.copy()  # OrderedDict and defaultdict keep their class
+        for k, v in obj.items():
+            out[k] = to_device(v, device)
+        return out
+    return obj
 
 
 def _signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
