@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from bucketddp import BucketDataParallel
 from models import batch, build
@@ -60,11 +61,18 @@ def _train(
     accumulate: int = 1,
     set_to_none: bool = True,
 ) -> dict[str, Any]:
-    """Train with BucketDataParallel while ``schedule`` switches a group's requires_grad."""
+    """Train with BucketDataParallel while ``schedule`` switches a group's requires_grad.
+
+    ``opts`` go to the wrapper, but for ``comm_hook``: a hook to register on it.
+    """
     model = build(name)
     for p in _switched(model, name):
         p.requires_grad_(schedule(rank, 0))
+    opts = dict(opts)
+    hook = opts.pop("comm_hook", None)
     wrapped = BucketDataParallel(model, **opts)
+    if hook is not None:
+        wrapped.register_comm_hook(None, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     def forward(x: torch.Tensor, step: int) -> torch.Tensor:
@@ -136,6 +144,8 @@ TINY = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005}  # many buckets
 CASES: dict[str, tuple[str, Schedule, dict[str, Any], dict[str, Any]]] = {
     "unfreeze": ("mlp", _unfreeze_at_2, {}, {}),
     "unfreeze_tiny_buckets": ("mlp", _unfreeze_at_2, TINY, {}),
+    # Averaged in plain all-reduce the first step, through the hook once in the buckets.
+    "unfreeze_comm_hook": ("mlp", _unfreeze_at_2, {"comm_hook": allreduce_hook, **TINY}, {}),
     "unfreeze_no_view": ("mlp", _unfreeze_at_2, {"gradient_as_bucket_view": False}, {}),
     "unfreeze_with_no_sync": ("mlp", _unfreeze_at_2, {}, {"accumulate": 2}),
     "freeze_then_unfreeze": ("mlp", _freeze_at_1_unfreeze_at_3, {}, {}),

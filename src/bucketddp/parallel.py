@@ -15,6 +15,7 @@ from . import _structure
 from .buckets import BucketPlan, check_bucket_sizes
 from .buffers import BufferSync, Policy
 from .comm import broadcast_coalesced, verify_same_model
+from .comm_hooks import CommHook
 from .reducer import CommStats, Reducer
 
 log = logging.getLogger(__name__)
@@ -176,6 +177,16 @@ class BucketDataParallel(nn.Module):
             yield
         finally:
             self.reducer.sync_enabled = before
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce gradient buckets with ``hook(state, bucket) -> Future`` (torch DDP's API).
+
+        The hooks of ``torch.distributed.algorithms.ddp_comm_hooks`` work as they do with
+        torch DDP (``allreduce_hook``, ``fp16_compress_hook``, PowerSGD, ...). The hook gets
+        the bucket's local gradients, not yet averaged; its future holds the reduced buffer.
+        Once per wrapper, between steps. See ``docs/engine.md``.
+        """
+        self.reducer.register_comm_hook(state, hook)
 
     @property
     def bucket_plan(self) -> BucketPlan:

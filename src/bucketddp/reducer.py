@@ -29,6 +29,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .buckets import MB, BucketPlan, ParamInfo, plan_buckets
 from .comm import all_reduce_coalesced
+from .comm_hooks import CommHook, GradBucket, hook_result, run_hook
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +81,29 @@ class CommStats:
 class _Bucket:
     """Runtime state of one planned bucket."""
 
-    __slots__ = ("flags", "members", "pending", "storage", "work")
+    __slots__ = ("flags", "flags_work", "grads", "members", "pending", "storage", "work")
 
     def __init__(self, storage: torch.Tensor, numel: int, members: list[int]) -> None:
         self.storage = storage
+        self.grads = storage[:numel]  # what a communication hook sees
         self.flags: torch.Tensor | None = storage[numel:] if storage.numel() > numel else None
         self.members = members
         self.pending = len(members)
-        self.work: dist.Work | None = None
+        # The all-reduce of the storage, or with a communication hook, the hook's future
+        # (and the flags' own all-reduce).
+        self.work: dist.Work | torch.futures.Future[Any] | None = None
+        self.flags_work: dist.Work | None = None
+
+    def wait(self) -> Any:
+        """Wait for the bucket's communication; returns what a hook's future holds."""
+        value = None
+        if self.work is not None:
+            value = self.work.wait()
+            self.work = None
+        if self.flags_work is not None:
+            self.flags_work.wait()
+            self.flags_work = None
+        return value
 
 
 class Reducer:
@@ -131,6 +148,7 @@ class Reducer:
         # Parameters the module gained or lost after wrapping, as (added, removed) names.
         self._changed: tuple[list[str], list[str]] | None = None
         self._changed_handles: list[RemovableHandle] = []
+        self._comm_hook: tuple[Any, CommHook] | None = None
         self._adopt(trainable)
 
     def _adopt(self, members: list[int]) -> None:
@@ -363,7 +381,8 @@ class Reducer:
         """
         view = self._views[i]
         if grad is view:
-            view.div_(self.world_size)  # accumulated in place, in the slot
+            if self._comm_hook is None:  # a hook averages for itself
+                view.div_(self.world_size)  # accumulated in place, in the slot
             return view
         if grad is None:
             view.zero_()
@@ -390,8 +409,44 @@ class Reducer:
             bucket = buckets[self._next]
             if bucket.flags is not None:
                 self._write_flags()
-            bucket.work = dist.all_reduce(bucket.storage, group=self.process_group, async_op=True)
+            if self._comm_hook is None:
+                bucket.work = dist.all_reduce(
+                    bucket.storage, group=self.process_group, async_op=True
+                )
+            else:
+                self._launch_hook(bucket)
             self._next += 1
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce each bucket's gradients with ``hook(state, bucket)`` from the next step on."""
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                "a communication hook is already registered; register_comm_hook can be called "
+                "once per wrapper (as with torch DDP)"
+            )
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        if self._queued:
+            raise RuntimeError("register_comm_hook cannot be called during a backward pass")
+        self._comm_hook = (state, hook)
+        self._scale = 1.0  # slots hold plain gradients: the hook averages
+
+    def _launch_hook(self, bucket: _Bucket) -> None:
+        assert self._comm_hook is not None
+        state, hook = self._comm_hook
+        members = bucket.members
+        view = GradBucket(
+            self._next,
+            bucket.grads,
+            [self._views[i] for i in members],
+            [self._params[i] for i in members],
+            self._next == len(self._buckets) - 1,
+        )
+        bucket.work = run_hook(hook, state, view)
+        if bucket.flags is not None:
+            bucket.flags_work = dist.all_reduce(
+                bucket.flags, group=self.process_group, async_op=True
+            )
 
     def _write_flags(self) -> None:
         n = len(self._params)
@@ -461,12 +516,14 @@ class Reducer:
 
         start = time.perf_counter()
         for bucket in self._buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                bucket.work = None
+            value = bucket.wait()
+            if self._comm_hook is not None:
+                reduced = hook_result(value, bucket.grads, self._comm_hook[1])
+                if reduced.data_ptr() != bucket.grads.data_ptr():
+                    bucket.grads.copy_(reduced.view_as(bucket.grads))
         waited = time.perf_counter() - start
         self.stats = CommStats(
-            collectives=len(self._buckets),
+            collectives=len(self._buckets) + (self._comm_hook is not None),
             bytes_reduced=sum(b.storage.numel() * b.storage.element_size() for b in self._buckets),
             wait_seconds=waited,
             buckets=len(self._buckets),
@@ -517,7 +574,7 @@ class Reducer:
         """
         params = [self._all_params[j] for j in joined]
         averages = [
-            torch.mul(p.grad, self._scale) if p.grad is not None else torch.zeros_like(p)
+            torch.mul(p.grad, 1.0 / self.world_size) if p.grad is not None else torch.zeros_like(p)
             for p in params
         ]
         produced = [
@@ -622,9 +679,7 @@ class Reducer:
         )
         self._queued = False
         for bucket in self._buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                bucket.work = None
+            bucket.wait()
         self._reset_step()
         self._used = [False] * len(self._used)
 
