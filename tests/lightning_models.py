@@ -392,6 +392,16 @@ class Observe(pl.Callback):
         self._record("predict", trainer, pl_module)
 
 
+class RegisterCommHook(pl.Callback):
+    """Registers a communication hook on the wrapped model once fit has wrapped it."""
+
+    def __init__(self, hook: Any, state: Any = None) -> None:
+        self.hook, self.state = hook, state
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.model.register_comm_hook(self.state, self.hook)  # type: ignore[union-attr]
+
+
 class RecordingCheckpointIO(TorchCheckpointIO):
     """Writes checkpoints as usual and notes which rank wrote each one."""
 

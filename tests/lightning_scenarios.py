@@ -22,6 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import bucketddp
 from bucketddp import BucketDDP
@@ -37,6 +38,7 @@ from lightning_models import (
     Normed,
     Observe,
     RecordingCheckpointIO,
+    RegisterCommHook,
     SyncedBatches,
     Transformer,
     Unused,
@@ -100,6 +102,15 @@ def swap(out: Path) -> dict[str, Any]:
         _, model = fit(strategy, GAN, max_steps=8, callbacks=[synced])
         result[f"gan/{label}"] = weights(model)
         result[f"gan_synced/{label}"] = synced.batches
+    # fp16 gradient compression: "ddp" gets the hook from a callback (Lightning registers
+    # ddp_comm_hook only on CUDA), BucketDDP from its ddp_comm_hook option.
+    fp16 = default_hooks.fp16_compress_hook
+    for label, strategy, callbacks in (
+        ("ddp", "ddp", [RegisterCommHook(fp16)]),
+        ("bucket", BucketDDP(ddp_comm_hook=fp16), []),
+    ):
+        _, model = fit(strategy, Boring, max_steps=6, callbacks=callbacks)
+        result[f"fp16/{label}"] = weights(model)
     # A model compiled before fit: Lightning compiles its training_step, the strategy wraps.
     for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
         result[f"compiled/{label}"], result[f"compiled_graphs/{label}"] = _compiled(strategy)

@@ -139,6 +139,18 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
         BucketDDP(bucket_cap_mb=0)
     with pytest.raises(ValueError, match="unknown buffer policy 'avg'"):
         BucketDDP(default_buffer_policy="avg")
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
+
+    with pytest.raises(ValueError, match="ddp_comm_wrapper apply to a ddp_comm_hook"):
+        BucketDDP(ddp_comm_wrapper=default_hooks.fp16_compress_wrapper)
+    local_sgd = post_localSGD_hook.PostLocalSGDState(None, None, start_localSGD_iter=8)
+    with pytest.raises(ValueError, match="does not support post-local SGD"):
+        BucketDDP(ddp_comm_state=local_sgd, ddp_comm_hook=post_localSGD_hook.post_localSGD_hook)
+    hooked = BucketDDP(
+        ddp_comm_hook=default_hooks.allreduce_hook,
+        ddp_comm_wrapper=default_hooks.fp16_compress_wrapper,
+    )
+    assert hooked._comm_hook is not None and hooked._comm_hook[0] is None
 
 
 def test_sync_batchnorm_uses_our_layer_sync_plugin() -> None:
@@ -256,6 +268,15 @@ def test_compiled_model_gives_the_weights_of_ddp(swap: list[dict[str, Any]]) -> 
         assert rank["compiled_graphs/bucket"] >= 1, "Lightning did not compile the model"
         assert moved(rank["boring/init"], rank["compiled/bucket"])
         assert_same(rank["compiled/ddp"], rank["compiled/bucket"], tol=1e-6)
+
+
+def test_communication_hook_gives_the_weights_of_ddp_with_it(swap: list[dict[str, Any]]) -> None:
+    for rank in swap:
+        # fp16 compression under "ddp" (registered by a callback: Lightning registers
+        # ddp_comm_hook only on CUDA) and under BucketDDP(ddp_comm_hook=...) agree...
+        assert_same(rank["fp16/ddp"], rank["fp16/bucket"], tol=1e-6)
+        # ...and differ from the uncompressed run, so the hook was used.
+        assert moved(rank["boring/ddp"], rank["fp16/bucket"])
 
 
 def test_backbone_finetuning_matches_one_process(

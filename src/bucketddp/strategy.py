@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -98,11 +98,17 @@ class BucketDDP(DDPStrategy):
         default_buffer_policy: the policy of buffers no rule names ("broadcast" if None).
         sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm`` while
             fitting, as ``Trainer(sync_batchnorm=True)`` does.
+        ddp_comm_hook: a communication hook, ``hook(state, bucket) -> Future``, registered
+            on the wrapper (``BucketDataParallel.register_comm_hook``) on every accelerator,
+            CPU included; for example ``default_hooks.fp16_compress_hook``.
+        ddp_comm_state: the hook's state, e.g. a ``PowerSGDState``.
+        ddp_comm_wrapper: applied to the hook, e.g. ``default_hooks.fp16_compress_wrapper``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
 
     Raises:
-        ValueError: a bucket size that is not positive, or an unknown default policy.
+        ValueError: a bucket size that is not positive, an unknown default policy, a hook
+            state or wrapper without a hook, or post-local SGD's state.
     """
 
     def __init__(
@@ -116,6 +122,9 @@ class BucketDDP(DDPStrategy):
         buffer_sync: Mapping[str, Policy] | None = None,
         default_buffer_policy: Policy | None = None,
         sync_batchnorm: bool = False,
+        ddp_comm_hook: Callable[..., Any] | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_wrapper: Callable[..., Any] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[Any] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -126,6 +135,7 @@ class BucketDDP(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
+        self._comm_hook = _comm_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         if default_buffer_policy is not None:
             resolve_policies({}, default=default_buffer_policy)  # raises on a bad name
         # Set before DDPStrategy.__init__, which assigns ``_layer_sync`` (our property).
@@ -193,6 +203,8 @@ class BucketDDP(DDPStrategy):
         """Wrap the LightningModule and adopt the bucket order of a loaded checkpoint."""
         assert isinstance(self.model, LightningModule)
         wrapped = self._setup_model(self.model)
+        if self._comm_hook is not None:
+            wrapped.register_comm_hook(*self._comm_hook)
         self.model = wrapped
         self._learned_bucket_order = None
         order, self._saved_bucket_order = self._saved_bucket_order, None
@@ -328,6 +340,33 @@ def _adopt_bucket_order(wrapped: BucketDataParallel, order: list[str]) -> None:
 # still holding the old one. A gloo group left alive into interpreter shutdown is what
 # makes Lightning runs end in "terminate called without an active exception" (SIGABRT).
 _created_group: dist.ProcessGroup | None = None
+
+
+def _comm_hook(
+    hook: Callable[..., Any] | None, state: object | None, wrapper: Callable[..., Any] | None
+) -> tuple[object | None, Callable[..., Any]] | None:
+    """``(state, hook)`` to register on the wrapper, the wrapper applied; None for no hook.
+
+    Raises:
+        ValueError: a state or wrapper without a hook, or post-local SGD's state.
+    """
+    if state is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+
+        if isinstance(state, post_localSGD_hook.PostLocalSGDState):
+            raise ValueError(
+                "BucketDDP does not support post-local SGD (PostLocalSGDState: model "
+                'averaging); use strategy="ddp" for it, or a gradient hook such as '
+                "fp16_compress_hook"
+            )
+    if hook is None:
+        if state is not None or wrapper is not None:
+            raise ValueError(
+                "ddp_comm_state and ddp_comm_wrapper apply to a ddp_comm_hook, and none was "
+                "given; pass ddp_comm_hook=..., e.g. default_hooks.fp16_compress_hook"
+            )
+        return None
+    return state, (wrapper(hook) if wrapper is not None else hook)
 
 
 def _destroy_at_exit(group: dist.ProcessGroup | None) -> None:
