@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import bucketddp
@@ -68,6 +69,15 @@ class Config:
     """bucket_cap_mb of both wrappers; None leaves each at its default (25 MB)."""
     first_bucket_mb: float | None = None
     """bucketddp's first_bucket_mb; None leaves the default (1 MB, as torch DDP's fixed one)."""
+    comm_hook: str | None = None
+    """A key of COMM_HOOKS registered on both wrappers; None for their own all-reduce."""
+
+
+COMM_HOOKS = {
+    "allreduce": default_hooks.allreduce_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+}
+"""The communication hooks ``--comm-hook`` offers: torch's own, given to both wrappers."""
 
 
 # --------------------------------------------------------------------- process launch
@@ -161,17 +171,23 @@ def run_ranks(
 def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
     """The model as ``system`` trains it: bare, in torch DDP, or in BucketDataParallel.
 
-    Both wrappers use their default options, except for the bucket sizes ``cfg`` sets.
+    Both wrappers use their default options, except for the bucket sizes and the
+    communication hook ``cfg`` sets.
     """
     cap = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
+    wrapped: DistributedDataParallel | BucketDataParallel
     if system == "local":
         return model
     if system == "torch_ddp":
-        return DistributedDataParallel(model, **cap)
-    if system == "bucketddp":
+        wrapped = DistributedDataParallel(model, **cap)
+    elif system == "bucketddp":
         first = {} if cfg.first_bucket_mb is None else {"first_bucket_mb": cfg.first_bucket_mb}
-        return BucketDataParallel(model, **cap, **first)
-    raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+        wrapped = BucketDataParallel(model, **cap, **first)
+    else:
+        raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+    if cfg.comm_hook is not None:
+        wrapped.register_comm_hook(None, COMM_HOOKS[cfg.comm_hook])
+    return wrapped
 
 
 def make_batches(spec: ModelSpec, cfg: Config, rank: int, round_: int, count: int) -> list[Batch]:
@@ -237,6 +253,7 @@ def time_model(
         plan = models["bucketddp"].bucket_plan
         info["bucketddp_buckets"] = len(plan)
         info["bucketddp_bucket_mb"] = [round(b.nbytes / 2**20, 3) for b in plan]
+        info["bucketddp_collectives"] = models["bucketddp"].comm_stats.collectives
     if "torch_ddp" in models:
         info["torch_ddp_bucket_mb"] = ddp_bucket_mb(models["torch_ddp"])
     return {"per_round": per_round, **info}
@@ -397,7 +414,8 @@ def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
                 )
             ]
         )
-    for key in ("bucketddp_buckets", "bucketddp_bucket_mb", "torch_ddp_bucket_mb"):
+    kept = ("bucketddp_buckets", "bucketddp_bucket_mb", "bucketddp_collectives")
+    for key in (*kept, "torch_ddp_bucket_mb"):
         if key in raw:
             out[key] = raw[key]
     return out
@@ -473,7 +491,7 @@ def print_time_table(
 
 
 # ------------------------------------------------------------------------ pooling
-POOL_KEYS = ("steps", "warmup", "batch_size", "bucket_cap_mb", "first_bucket_mb")
+POOL_KEYS = ("steps", "warmup", "batch_size", "bucket_cap_mb", "first_bucket_mb", "comm_hook")
 """Config entries that must agree between pooled runs (rounds and models may differ)."""
 
 
@@ -602,6 +620,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         help="bucketddp's first_bucket_mb (default 1; torch DDP's first bucket is fixed at 1 MB)",
     )
+    p.add_argument(
+        "--comm-hook",
+        choices=list(COMM_HOOKS),
+        help="a communication hook of torch's, registered on both wrappers (default: none)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     p.add_argument("--memory-steps", type=int, help="steps per memory run (default 4; quick 2)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small rounds and steps")
@@ -640,6 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.memory_steps,
         args.bucket_cap_mb,
         args.first_bucket_mb,
+        args.comm_hook,
     )
     started = time.perf_counter()
     report: dict[str, Any] = {
@@ -656,6 +680,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"bucket sizes: bucket_cap_mb {cfg.bucket_cap_mb or 'default'} (both wrappers), "
             f"first_bucket_mb {cfg.first_bucket_mb or 'default'} (bucketddp only)"
         )
+    if cfg.comm_hook is not None:
+        print(f"communication hook: {COMM_HOOKS[cfg.comm_hook].__name__} (both wrappers)")
 
     memory: dict[str, dict[str, Any]] = {}
     if 2 in args.world_size and not args.no_memory:

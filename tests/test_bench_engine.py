@@ -52,6 +52,13 @@ def test_first_bucket_option_reaches_bucketddp(tmp_path: Path) -> None:
     assert result["bucketddp_buckets"] == 1
 
 
+def test_comm_hook_option_reaches_both_wrappers(tmp_path: Path) -> None:
+    # bucketddp with a hook: one call per bucket and the flags' own all-reduce. torch DDP
+    # takes the same hook (it would raise on an unknown one).
+    result = run_bench(tmp_path, "--comm-hook", "fp16")
+    assert result["bucketddp_collectives"] == result["bucketddp_buckets"] + 1
+
+
 def test_bad_bucket_size_is_refused() -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--bucket-cap-mb", "0"],
