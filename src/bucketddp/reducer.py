@@ -81,7 +81,7 @@ class CommStats:
 class _Bucket:
     """Runtime state of one planned bucket."""
 
-    __slots__ = ("flags", "flags_work", "grads", "members", "pending", "storage", "work")
+    __slots__ = ("flags", "grads", "members", "pending", "storage", "work")
 
     def __init__(self, storage: torch.Tensor, numel: int, members: list[int]) -> None:
         self.storage = storage
@@ -89,10 +89,8 @@ class _Bucket:
         self.flags: torch.Tensor | None = storage[numel:] if storage.numel() > numel else None
         self.members = members
         self.pending = len(members)
-        # The all-reduce of the storage, or with a communication hook, the hook's future
-        # (and the flags' own all-reduce).
+        # The all-reduce of the storage, or with a communication hook, the hook's future.
         self.work: dist.Work | torch.futures.Future[Any] | None = None
-        self.flags_work: dist.Work | None = None
 
     def wait(self) -> Any:
         """Wait for the bucket's communication; returns what a hook's future holds."""
@@ -100,9 +98,6 @@ class _Bucket:
         if self.work is not None:
             value = self.work.wait()
             self.work = None
-        if self.flags_work is not None:
-            self.flags_work.wait()
-            self.flags_work = None
         return value
 
 
@@ -443,10 +438,6 @@ class Reducer:
             self._next == len(self._buckets) - 1,
         )
         bucket.work = run_hook(hook, state, view)
-        if bucket.flags is not None:
-            bucket.flags_work = dist.all_reduce(
-                bucket.flags, group=self.process_group, async_op=True
-            )
 
     def _write_flags(self) -> None:
         n = len(self._params)
@@ -521,6 +512,14 @@ class Reducer:
                 reduced = hook_result(value, bucket.grads, self._comm_hook[1])
                 if reduced.data_ptr() != bucket.grads.data_ptr():
                     bucket.grads.copy_(reduced.view_as(bucket.grads))
+        if self._comm_hook is not None:
+            # The hook left the flags alone; they travel now, after every hook's future is
+            # done. A hook may launch collectives from its futures' callbacks (PowerSGD
+            # does), on another thread: launching this one earlier could order it
+            # differently on different ranks.
+            flags = self._buckets[-1].flags
+            assert flags is not None
+            dist.all_reduce(flags, group=self.process_group)
         waited = time.perf_counter() - start
         self.stats = CommStats(
             collectives=len(self._buckets) + (self._comm_hook is not None),
