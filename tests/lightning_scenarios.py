@@ -140,11 +140,9 @@ def _compiled(strategy: Any) -> tuple[dict[str, torch.Tensor], int]:
 
     torch._dynamo.reset()
     counters.clear()
-    pl.seed_everything(0, verbose=False)
-    model = Boring()
-    trainer = pl.Trainer(**QUIET, devices=2, strategy=strategy, max_steps=4, limit_val_batches=0)
-    trainer.fit(torch.compile(model, backend="aot_eager"))
-    return weights(model), counters["stats"]["unique_graphs"]
+    compile_boring = lambda: torch.compile(Boring(), backend="aot_eager")  # noqa: E731
+    _, compiled = _fit(strategy, compile_boring, max_steps=4, limit_val_batches=0)
+    return weights(compiled._orig_mod), counters["stats"]["unique_graphs"]
 
 
 def _finetune(strategy: Any, devices: int = 2) -> dict[str, torch.Tensor]:
