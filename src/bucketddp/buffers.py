@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -357,8 +358,19 @@ class BufferSync:
         return self.world_size > 1 and bool(self.groups)
 
     @torch.no_grad()
-    def sync(self) -> int:
+    def sync(self, *, src: int = 0, ranks: int | None = None, contribute: bool = True) -> int:
         """Make the buffers agree according to their policies.
+
+        The keyword arguments serve uneven inputs (``BucketDataParallel.join``), where only
+        some ranks still train; the defaults are those of every rank training.
+
+        Args:
+            src: the group rank whose values ``"broadcast"`` buffers take.
+            ranks: how many ranks contribute to ``"mean"`` (all of them if None).
+            contribute: False on a rank that has joined: it adds nothing of its own to
+                ``"mean"``, ``"max"`` and ``"min"`` and takes the others' result. Its
+                ``"sum"`` buffers still send what they gained since the last sync, and a
+                custom function is called with its buffer as on every rank.
 
         Returns:
             the collectives launched: one per (policy, dtype, device) group, not counting
@@ -376,15 +388,20 @@ class BufferSync:
             if policy == "sum":
                 count += self._sync_sum(group.names, tensors)
             elif policy == "broadcast":
-                count += broadcast_packed(self._packing(i, tensors), self.process_group)
+                count += broadcast_packed(self._packing(i, tensors), self.process_group, src=src)
             else:
                 count += all_reduce_packed(
                     self._packing(i, tensors),
                     _OPS[policy],
                     self.process_group,
-                    divide_by=self.world_size if policy == "mean" else 1,
+                    divide_by=(ranks or self.world_size) if policy == "mean" else 1,
+                    identity=None if contribute else _identity(policy, tensors[0].dtype),
                 )
         return count
+
+    def broadcast_buffers(self) -> list[torch.Tensor]:
+        """The buffers whose policy is ``"broadcast"``."""
+        return [self._get(n) for n, p in self.policies.items() if p == "broadcast"]
 
     def _packing(self, i: int, tensors: list[torch.Tensor]) -> FlatTensors:
         # Reused from sync to sync while the group's buffers are the same tensor objects; a
@@ -425,6 +442,18 @@ class BufferSync:
         if base.device != t.device or base.dtype != t.dtype:  # the module moved
             base = self._baseline[name] = base.to(device=t.device, dtype=t.dtype)
         return base
+
+
+def _identity(policy: str, dtype: torch.dtype) -> float:
+    """The value a rank that adds nothing contributes to ``policy``'s reduction."""
+    if policy == "mean":
+        return 0
+    if dtype.is_floating_point:
+        return -math.inf if policy == "max" else math.inf
+    if dtype == torch.bool:
+        return policy == "min"
+    info = torch.iinfo(dtype)
+    return info.min if policy == "max" else info.max
 
 
 class _LoadWatcher:

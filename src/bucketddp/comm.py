@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 
-def group_rank0(group: dist.ProcessGroup | None) -> int:
-    """The global rank of the group's rank 0, as ``src`` arguments expect."""
-    return 0 if group is None else dist.get_global_rank(group, 0)
+def global_rank(group: dist.ProcessGroup | None, group_rank: int = 0) -> int:
+    """The global rank of the group's ``group_rank``, as ``src`` arguments expect."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 class FlatTensors:
@@ -90,9 +90,11 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values())
 
 
-def broadcast_packed(packed: FlatTensors, group: dist.ProcessGroup | None = None) -> int:
-    """Give ``packed``'s tensors the group's rank-0 values with one broadcast; returns 1."""
-    dist.broadcast(packed.pack(), src=group_rank0(group), group=group)
+def broadcast_packed(
+    packed: FlatTensors, group: dist.ProcessGroup | None = None, *, src: int = 0
+) -> int:
+    """Give ``packed``'s tensors the values of group rank ``src`` with one broadcast; returns 1."""
+    dist.broadcast(packed.pack(), src=global_rank(group, src), group=group)
     packed.unpack()
     return 1
 
@@ -103,9 +105,14 @@ def all_reduce_packed(
     group: dist.ProcessGroup | None = None,
     *,
     divide_by: int = 1,
+    identity: float | None = None,
 ) -> int:
-    """All-reduce ``packed``'s tensors with one collective, optionally dividing; returns 1."""
-    flat = packed.pack()
+    """All-reduce ``packed``'s tensors with one collective, optionally dividing; returns 1.
+
+    With ``identity`` this rank adds nothing of its own: it contributes ``op``'s identity
+    element (0 for a sum, the lowest value for a max, ...) and takes the others' result.
+    """
+    flat = packed.pack() if identity is None else packed.flat.fill_(identity)
     dist.all_reduce(flat, op=op, group=group)
     if divide_by != 1:
         flat.div_(divide_by)
@@ -114,16 +121,16 @@ def all_reduce_packed(
 
 
 def broadcast_coalesced(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None, *, src: int = 0
 ) -> int:
-    """Overwrite ``tensors`` in place with the group's rank-0 values; returns collectives used.
+    """Overwrite ``tensors`` in place with group rank ``src``'s values; returns collectives used.
 
     A broadcast copies bytes, so tensors of every dtype on one device travel together:
     one collective per device, where a per-dtype scheme needs one per dtype (BatchNorm's
     float statistics and int64 counter, say).
     """
     members = _by_device([t for t in tensors if t.numel()])
-    return sum(broadcast_packed(FlatTensors(m, as_bytes=True), group) for m in members)
+    return sum(broadcast_packed(FlatTensors(m, as_bytes=True), group, src=src) for m in members)
 
 
 def all_reduce_coalesced(
