@@ -132,6 +132,9 @@ class Reducer:
         self.stats = CommStats()
         # With one rank there is nothing to reduce: no storage, no copies, hooks only check.
         self._communicates = self.world_size > 1
+        # Gradients are averaged over ``_divisor`` ranks: the world size, or under
+        # ``join(divide_by_initial_world_size=False)`` the ranks still training.
+        self._divisor = self.world_size
         self._scale = 1.0 / self.world_size
         self._cap_bytes = int(bucket_cap_mb * MB)
         self._first_cap_bytes = int(first_bucket_mb * MB)
@@ -201,12 +204,10 @@ class Reducer:
             storage = torch.zeros(spec.numel + extra, dtype=spec.dtype, device=spec.device)
             members = [self._index[name] for name in spec.names]
             bucket = _Bucket(storage, spec.numel, members)
-            offset = 0
-            for i in members:
-                p = self._params[i]
-                views[i] = storage[offset : offset + p.numel()].view(p.shape)
+            slots = _slots(storage, [self._params[i] for i in members])
+            for i, view in zip(members, slots, strict=True):
+                views[i] = view
                 bucket_of[i] = bucket
-                offset += p.numel()
             buckets.append(bucket)
         for i, p in enumerate(self._params):
             if p.grad is not None and self._communicates:
@@ -377,7 +378,7 @@ class Reducer:
         view = self._views[i]
         if grad is view:
             if self._comm_hook is None:  # a hook averages for itself
-                view.div_(self.world_size)  # accumulated in place, in the slot
+                view.div_(self._divisor)  # accumulated in place, in the slot
             return view
         if grad is None:
             view.zero_()
@@ -425,6 +426,16 @@ class Reducer:
             raise RuntimeError("register_comm_hook cannot be called during a backward pass")
         self._comm_hook = (state, hook)
         self._scale = 1.0  # slots hold plain gradients: the hook averages
+
+    def set_divisor(self, ranks: int) -> None:
+        """Average the next synced backward's gradients over ``ranks`` ranks.
+
+        The world size by default; fewer while some ranks have joined (uneven inputs, with
+        ``divide_by_initial_world_size=False``). A communication hook averages for itself.
+        """
+        self._divisor = ranks
+        if self._comm_hook is None:
+            self._scale = 1.0 / ranks
 
     def _launch_hook(self, bucket: _Bucket) -> None:
         assert self._comm_hook is not None
@@ -529,25 +540,10 @@ class Reducer:
         )
 
         counts = self._counts
-        frozen: list[bool] | None = None  # per planned parameter: frozen on every rank
-        joined: list[int] = []
-        if not torch.equal(self._agreement, self._agreed_summed):
-            *ranks, changed = [round(c) for c in self._agreement.tolist()]
-            if changed:
-                return self._changed_message(changed), []
-            differ = [j for j, c in enumerate(ranks) if 0 < c < self.world_size]
-            if differ:
-                return self._differ_message(differ, ranks), []
-            frozen = [ranks[j] == 0 for j in self._members]
-            joined = [j for j in self._outside if ranks[j] == self.world_size]
-
+        error, frozen, joined = self._check_flags(counts, self._agreement, bool(locally_missing))
+        if error is not None:
+            return error, []
         if not self.find_unused_parameters:
-            if locally_missing or bool(counts.any()):
-                missing = [c > 0 for c in counts.tolist()]
-                if frozen is not None:
-                    missing = [m and not f for m, f in zip(missing, frozen, strict=True)]
-                if any(missing):
-                    return self._missing_message(missing), []
             if not self.gradient_as_bucket_view:
                 self._copy_back(None if frozen is None else [not f for f in frozen])
         else:
@@ -563,6 +559,74 @@ class Reducer:
         if joined:
             return self._reduce_joined(joined), joined
         return None, []
+
+    def _check_flags(
+        self, counts: torch.Tensor, agreement: torch.Tensor, missing_here: bool
+    ) -> tuple[str | None, list[bool] | None, list[int]]:
+        """Read the summed flags; returns (error, frozen, joining parameters).
+
+        ``frozen`` is per planned parameter, frozen on every rank (None when every planned
+        parameter requires a gradient everywhere); joining parameters are outside the plan
+        and now require a gradient on every rank.
+        """
+        frozen: list[bool] | None = None
+        joined: list[int] = []
+        if not torch.equal(agreement, self._agreed_summed):
+            *ranks, changed = [round(c) for c in agreement.tolist()]
+            if changed:
+                return self._changed_message(changed), None, []
+            differ = [j for j, c in enumerate(ranks) if 0 < c < self.world_size]
+            if differ:
+                return self._differ_message(differ, ranks), None, []
+            frozen = [ranks[j] == 0 for j in self._members]
+            joined = [j for j in self._outside if ranks[j] == self.world_size]
+        if not self.find_unused_parameters and (missing_here or bool(counts.any())):
+            missing = [c > 0 for c in counts.tolist()]
+            if frozen is not None:
+                missing = [m and not f for m, f in zip(missing, frozen, strict=True)]
+            if any(missing):
+                return self._missing_message(missing), None, []
+        return None, frozen, joined
+
+    def shadow_backward(self) -> None:
+        """On a rank that has joined (uneven inputs), match one synced backward of the others.
+
+        The rank contributes zeros to every bucket's collective, in plan order (through the
+        communication hook if one is registered), and its own requires_grad flags, so the
+        others average the gradients of the ranks still training. It reads the summed flags
+        as they do, so an error they raise is raised here too, and it takes part in the
+        bucket rebuild after the first synced backward. Its own ``.grad`` is left alone.
+        """
+        if not self._communicates:
+            return
+        storages = [torch.zeros_like(b.storage) for b in self._buckets]
+        n = len(self._params)
+        last = self._buckets[-1]
+        flags = storages[-1][last.grads.numel() :]
+        counts, agreement = flags[:n], flags[n:]
+        local = [p.requires_grad for p in self._all_params]
+        agreement.copy_(torch.tensor([*local, self._changed is not None], dtype=flags.dtype))
+        if self._comm_hook is None:
+            works = [dist.all_reduce(s, group=self.process_group, async_op=True) for s in storages]
+            for work in works:
+                work.wait()
+        else:
+            state, hook = self._comm_hook
+            futures = []
+            for k, (bucket, storage) in enumerate(zip(self._buckets, storages, strict=True)):
+                grads = storage[: bucket.grads.numel()]
+                params = [self._params[i] for i in bucket.members]
+                is_last = k == len(self._buckets) - 1
+                view = GradBucket(k, grads, _slots(grads, params), params, is_last)
+                futures.append(run_hook(hook, state, view))
+            for future in futures:
+                future.wait()
+            dist.all_reduce(flags, group=self.process_group)
+        error, _, _ = self._check_flags(counts, agreement, False)
+        if error is not None:
+            raise RuntimeError(error)
+        if self._observed is not None:
+            self._rebuild_from_observed()
 
     def _reduce_joined(self, joined: list[int]) -> str | None:
         """Average the gradients of parameters that just became trainable on every rank.
@@ -697,6 +761,15 @@ class Reducer:
         self._handles = []
         self._watch_handles = {}
         self._changed_handles = []
+
+
+def _slots(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat``, one per parameter in order, each shaped like its parameter."""
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return views
 
 
 def _first_names(names: list[str], limit: int = 10) -> str:
