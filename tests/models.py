@@ -7,7 +7,7 @@ two systems trained in the same process group see identical inputs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -135,15 +135,40 @@ def train(
     wrap: Callable[[nn.Module], nn.Module],
     rank: int,
     *,
-    steps: int = 4,
+    steps: int | Sequence[int] = 4,
     accumulate: int = 1,
     set_to_none: bool = True,
     branch: Callable[[int, int], bool] | None = None,
+    join: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train ``steps`` SGD-momentum steps through ``wrap(model)``; return the final state."""
+    """Train ``steps`` SGD-momentum steps through ``wrap(model)``; return the final state.
+
+    ``steps`` may give each rank its own count (uneven inputs); ``join`` then holds the
+    keyword arguments of the wrapper's ``join()``, which the loop runs inside.
+    """
     model = build(name)
     wrapped = wrap(model)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    mine = steps if isinstance(steps, int) else steps[rank]
+    with wrapped.join(**join) if join is not None else contextlib.nullcontext():  # type: ignore[operator]
+        _loop(name, wrapped, opt, rank, mine, accumulate, set_to_none, branch)
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "wrapped": wrapped,
+    }
+
+
+def _loop(
+    name: str,
+    wrapped: nn.Module,
+    opt: torch.optim.Optimizer,
+    rank: int,
+    steps: int,
+    accumulate: int,
+    set_to_none: bool,
+    branch: Callable[[int, int], bool] | None,
+) -> None:
     for step in range(steps):
         for micro in range(accumulate):
             x, y = batch(name, step * accumulate + micro, rank)
@@ -155,8 +180,3 @@ def train(
                 loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
-    return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
-        "wrapped": wrapped,
-    }

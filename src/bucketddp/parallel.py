@@ -10,18 +10,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _structure
 from .buckets import BucketPlan, check_bucket_sizes
 from .buffers import BufferSync, Policy
 from .comm import broadcast_coalesced, verify_same_model
 from .comm_hooks import CommHook
+from .join import BucketJoinHook, check_joinable, exchange_header, header
 from .reducer import CommStats, Reducer
 
 log = logging.getLogger(__name__)
 
 
-class BucketDataParallel(nn.Module):
+class BucketDataParallel(nn.Module, Joinable):
     """Data-parallel training with a bucketed gradient reducer that overlaps backward.
 
     Wrap a module exactly as you would with ``torch.nn.parallel.DistributedDataParallel``:
@@ -72,6 +74,8 @@ class BucketDataParallel(nn.Module):
         output_device: int | str | torch.device | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
+        self._divide_by_initial_world_size = True
         self._input_device = input_device(
             {p.device for p in module.parameters()}, device_ids, output_device
         )
@@ -149,10 +153,88 @@ class BucketDataParallel(nn.Module):
             self._check_parameters()
         if self.reducer.step_unfinished:
             self.reducer.discard_step()
-        if self._sync_buffers_next:
+        if self._join_config.enable:
+            self._join_step()
+        elif self._sync_buffers_next:
             self.buffers_sync.sync()
         self.reducer.watch_requires_grad()
         self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
+
+    def _join_step(self) -> None:
+        """Inside ``join()``: tell the joined ranks what this iteration does, then sync buffers."""
+        notified = Join.notify_join_context(self)  # raises under throw_on_early_termination
+        world_size = dist.get_world_size(self.process_group)
+        part = header(
+            dist.get_rank(self.process_group),
+            world_size,
+            sync_buffers=self._sync_buffers_next and self.buffers_sync.needed,
+            sync_backward=torch.is_grad_enabled() and self.reducer.sync_enabled,
+        )
+        step = exchange_header(part, self.process_group, self.join_device, world_size)
+        if notified is not None:
+            notified.wait()
+        if step.sync_buffers:
+            self.buffers_sync.sync(src=step.src, ranks=step.ranks)
+        if step.sync_backward:
+            by_initial = self._divide_by_initial_world_size
+            self.reducer.set_divisor(world_size if by_initial else step.ranks)
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """A context manager for uneven inputs: ranks may run out of batches at different steps.
+
+        Torch DDP's ``join()``: ``with model.join(): for batch in loader: ...``. A rank that
+        runs out of batches matches the collectives of the ranks still training, contributing
+        zero gradients, until every rank is done; then every rank takes the parameters (and
+        broadcast buffers) of a rank that joined last. Every grad-enabled forward inside it
+        must be followed by one backward. See "Uneven inputs" in ``docs/engine.md``.
+
+        Args:
+            divide_by_initial_world_size: average gradients over the world size (True, the
+                default: every sample weighs the same) or over the ranks still training.
+            enable: False makes the context manager do nothing (inputs known to be even).
+            throw_on_early_termination: raise a RuntimeError on every rank as soon as one
+                rank runs out of batches, instead of training on.
+
+        Raises:
+            ValueError: the module has SyncBatchNorm layers, whose forward communicates.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook torch's ``Join`` runs on a rank that has joined (``Joinable`` interface).
+
+        Takes ``divide_by_initial_world_size`` (default True) from ``Join``'s keyword
+        arguments.
+        """
+        check_joinable(self.module)
+        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        return BucketJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the join context's own collectives: the module's (``Joinable``)."""
+        return next(iter(self.reducer.all_params)).device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The process group of the join context's collectives (``Joinable``)."""
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _end_join(self) -> None:
+        """Leave join mode: called by the join hook once every rank has joined."""
+        self._join_config = self._join_config._replace(enable=False)
+        self.reducer.set_divisor(dist.get_world_size(self.process_group))
+        self._sync_buffers_next = True
 
     def _check_parameters(self) -> None:
         """Tell the reducer if the module's Parameter objects are no longer those it hooks."""
