@@ -93,6 +93,15 @@ def test_hook_gives_the_weights_of_torch_ddp_with_it(hook: str, tiny: bool) -> N
         assert any(not torch.equal(r["ours"][n], r["plain"][n]) for n in r["plain"])
 
 
+@pytest.mark.parametrize("hook", ["fp16_compress", "powersgd"])
+def test_hook_runs_at_world_size_1_as_in_torch_ddp(hook: str) -> None:
+    (r,) = run_ranks(_compare, 1, hook, False, timeout=60)
+    for name, want in r["theirs"].items():
+        torch.testing.assert_close(r["ours"][name], want, rtol=0, atol=1e-6, msg=name)
+    # The hook changed the result on one rank too (torch DDP calls it there).
+    assert any(not torch.equal(r["ours"][n], r["plain"][n]) for n in r["plain"])
+
+
 def _bad_hook(state: Any, bucket: Any) -> Any:
     return bucket.buffer()  # a tensor, not a future
 

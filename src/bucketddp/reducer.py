@@ -130,7 +130,8 @@ class Reducer:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.sync_enabled = True
         self.stats = CommStats()
-        # With one rank there is nothing to reduce: no storage, no copies, hooks only check.
+        # With one rank there is nothing to reduce: no storage, no copies, hooks only check
+        # (unless a communication hook is registered).
         self._communicates = self.world_size > 1
         # Gradients are averaged over ``_divisor`` ranks: the world size, or under
         # ``join(divide_by_initial_world_size=False)`` the ranks still training.
@@ -426,6 +427,11 @@ class Reducer:
             raise RuntimeError("register_comm_hook cannot be called during a backward pass")
         self._comm_hook = (state, hook)
         self._scale = 1.0  # slots hold plain gradients: the hook averages
+        if not self._communicates:
+            # One rank: buckets exist only to hand the hook its gradients, as torch DDP does
+            # (so a compressing hook rounds them there too).
+            self._communicates = True
+            self._install(self.plan)
 
     def set_divisor(self, ranks: int) -> None:
         """Average the next synced backward's gradients over ``ranks`` ranks.
