@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.join import Join
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel, convert_sync_batchnorm
@@ -257,3 +259,26 @@ def test_requires_grad_change_while_a_rank_has_finished_raises_on_every_rank() -
     args = (BucketDataParallel, {}, [1, 3], _rank1_freezes_at_step2)
     for said in run_ranks(_error_of, 2, *args, timeout=60):
         assert "requires_grad differs between ranks for parameters net.0.weight" in said
+
+
+def _with_zero(rank: int, world: int, wrapper: Any, steps: list[int]) -> dict[str, torch.Tensor]:
+    model = build("mlp")
+    wrapped = wrapper(model)
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9
+    )
+    with Join([wrapped, opt]):  # two joinables: the optimizer shadows its own step
+        for step in range(steps[rank]):
+            x, y = batch("mlp", step, rank)
+            F.mse_loss(wrapped(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_join_beside_zero_redundancy_optimizer_matches_torch_ddp() -> None:
+    ours = run_ranks(_with_zero, 2, BucketDataParallel, [3, 5], timeout=60)
+    theirs = run_ranks(_with_zero, 2, DDP, [3, 5], timeout=60)
+    for rank, (mine, want) in enumerate(zip(ours, theirs, strict=True)):
+        for n in want:
+            torch.testing.assert_close(mine[n], want[n], rtol=0, atol=1e-6, msg=f"{n} {rank}")
