@@ -102,6 +102,17 @@ class Checkpointed(MLP):
         return self.net[4](h)
 
 
+class Reentrant(MLP):
+    """Two reentrant checkpoint segments; the first gradients come from a nested backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A reentrant segment passes gradients on only through inputs that require them.
+        h = torch.utils.checkpoint.checkpoint(
+            self.net[0:2], x.detach().requires_grad_(), use_reentrant=True
+        )
+        return torch.utils.checkpoint.checkpoint(self.net[2:5], h, use_reentrant=True)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": MLP,
     "conv": ConvNet,
@@ -110,6 +121,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "mixed": MixedDtype,
     "branchy": Branchy,
     "checkpointed": Checkpointed,
+    "reentrant": Reentrant,
 }
 
 
@@ -180,3 +192,29 @@ def _loop(
                 loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
+
+
+def train_global(
+    name: str,
+    steps: Sequence[int],
+    *,
+    by_initial: bool = True,
+    branch: Callable[[int, int], bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The ground truth of ``train``: one process, each step on the global batch.
+
+    Rank ``r`` has ``steps[r]`` batches; each step, the ranks that still have one each add
+    their loss, divided by the world size (``by_initial``) or by the number of them.
+    """
+    model = build(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(max(steps)):
+        training = [r for r in range(len(steps)) if steps[r] > step]
+        for r in training:
+            x, y = batch(name, step, r)
+            kwargs = {"use_left": branch(r, step)} if branch else {}
+            loss = F.mse_loss(model(x, **kwargs), y) / (len(steps) if by_initial else len(training))
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

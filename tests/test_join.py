@@ -17,7 +17,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel, convert_sync_batchnorm
-from models import batch, build, train
+from models import batch, build, train, train_global
 from multirank import run_ranks
 
 TINY = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005}
@@ -35,11 +35,10 @@ CASES: dict[str, dict[str, Any]] = {
         "join": {"divide_by_initial_world_size": False},
     },
     "conv_bn_buffers": {"name": "conv", "steps": [4, 2]},
-    "three_ranks": {"name": "mlp", "steps": [2, 5, 3], "world": 3},
+    "three_ranks": {"name": "mlp", "steps": [2, 5, 3]},
     "three_ranks_by_remaining": {
         "name": "conv",
         "steps": [4, 1, 3],
-        "world": 3,
         "join": {"divide_by_initial_world_size": False},
     },
     "tiny_buckets": {"name": "mlp", "steps": [2, 4], "ours": TINY},
@@ -57,7 +56,7 @@ CASES: dict[str, dict[str, Any]] = {
     "no_sync_accumulation": {"name": "mlp", "steps": [2, 3], "train": {"accumulate": 2}},
     "grads_kept": {"name": "tied", "steps": [4, 2], "train": {"set_to_none": False}},
     "comm_hook": {"name": "mlp", "steps": [3, 5], "hook": True},
-    "world_size_1": {"name": "mlp", "steps": [3], "world": 1},
+    "world_size_1": {"name": "mlp", "steps": [3]},
 }
 
 
@@ -86,28 +85,15 @@ def _uneven(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
 
 
 def _global_batch(case: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """One process, each iteration on the global batch of the ranks that still have one."""
-    name, steps, world = case["name"], case["steps"], case.get("world", 2)
     by_initial = case.get("join", {}).get("divide_by_initial_world_size", True)
     branch = case.get("train", {}).get("branch")
-    model = build(name)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for step in range(max(steps)):
-        training = [r for r in range(world) if steps[r] > step]
-        for r in training:
-            x, y = batch(name, step, r)
-            kwargs = {"use_left": branch(r, step)} if branch else {}
-            loss = F.mse_loss(model(x, **kwargs), y) / (world if by_initial else len(training))
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_global(case["name"], case["steps"], by_initial=by_initial, branch=branch)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_uneven_inputs_give_the_weights_of_torch_ddp_join(case: str) -> None:
     spec = CASES[case]
-    results = run_ranks(_uneven, spec.get("world", 2), spec, timeout=90)
+    results = run_ranks(_uneven, len(spec["steps"]), spec, timeout=90)
     reference = _global_batch(spec) if spec.get("truth") == "global" else None
     for rank, r in enumerate(results):
         truth = reference if reference is not None else r["ddp"]
@@ -249,7 +235,7 @@ def _with_validation(rank: int, world: int, steps: list[int]) -> dict[str, torch
 
 def test_no_grad_forwards_inside_join_need_no_backward() -> None:
     steps = [2, 4]
-    reference = _global_batch({"name": "mlp", "steps": steps})
+    reference = train_global("mlp", steps)
     for rank, params in enumerate(run_ranks(_with_validation, 2, steps, timeout=60)):
         for n, want in reference.items():
             torch.testing.assert_close(params[n], want, rtol=0, atol=1e-6, msg=f"{n} {rank}")

@@ -336,6 +336,17 @@ class Reducer:
         if not self._queued:
             self._queue_finalize()
 
+    def on_output_grad(self, grad: torch.Tensor) -> None:
+        """A hook for the forward's outputs: their gradient opens the backward pass.
+
+        It runs in the outermost backward, before any parameter's gradient, so the
+        end-of-backward callback waits for the whole pass. Queued from a parameter's hook
+        instead, it would end with the nested backward of a reentrant checkpoint segment
+        if that is where the first gradient came from.
+        """
+        if not self._queued:
+            self._queue_finalize()
+
     def _queue_finalize(self) -> None:
         """At a backward's first hook: have the autograd engine call ``_finalize`` at its end."""
         if _compiled_autograd():
@@ -349,8 +360,9 @@ class Reducer:
         if self._ready[i]:
             raise RuntimeError(
                 f"parameter {self._names[i]!r} received a gradient twice in one backward pass; "
-                "bucketddp supports one gradient per parameter per backward "
-                "(reentrant checkpointing is not supported: use use_reentrant=False)"
+                "bucketddp supports one gradient per parameter per backward (a parameter used "
+                "in two reentrant checkpoint segments gets one per segment: pass "
+                "use_reentrant=False to torch.utils.checkpoint)"
             )
         self._ready[i] = True
         self._n_ready += 1
