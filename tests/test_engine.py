@@ -156,6 +156,42 @@ def test_reentrant_checkpointing_with_find_unused_matches_global_batch(view: boo
             torch.testing.assert_close(params[n], want, rtol=0, atol=1e-6, msg=f"{n} {rank}")
 
 
+class ReturnsParameter(torch.nn.Module):
+    """Returns one of its parameters beside the prediction (say, a learned temperature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(10, 4)
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), self.scale
+
+
+def _returns_parameter(rank: int, world: int, wrapper: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = wrapper(ReturnsParameter())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(4):
+        x, y = batch("mlp", step, rank)
+        pred, scale = model(x)
+        F.mse_loss(pred * scale, y).backward()
+        opt.step()
+        opt.zero_grad()
+    hooks = model.module.scale._backward_hooks
+    params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    return {"params": params, "hooks": len(hooks or {})}
+
+
+def test_a_returned_parameter_trains_as_in_torch_ddp_and_collects_no_hooks() -> None:
+    ours = run_ranks(_returns_parameter, 2, BucketDataParallel)
+    theirs = run_ranks(_returns_parameter, 2, DDP)
+    for mine, want in zip(ours, theirs, strict=True):
+        assert mine["hooks"] == 0
+        for n, p in want["params"].items():
+            torch.testing.assert_close(mine["params"][n], p, rtol=0, atol=1e-6, msg=n)
+
+
 def _views_and_plan(rank: int, world: int, set_to_none: bool) -> dict[str, Any]:
     model = build("mixed")
     ddp = BucketDataParallel(model, **TINY)

@@ -352,12 +352,14 @@ def input_device(
 
 
 def _hook_outputs(obj: Any, hook: Callable[[torch.Tensor], None]) -> None:
-    """Register ``hook`` on every tensor in ``obj`` that autograd will differentiate.
+    """Register ``hook`` on every tensor in ``obj`` that this forward computed with autograd.
 
     Walks tuples, lists and dict values. Costs about 3 µs per output tensor per forward.
+    Leaves (a parameter returned as it is) are skipped: a hook on one would outlive the step
+    and pile up, one more per forward.
     """
     if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
+        if obj.grad_fn is not None:
             obj.register_hook(hook)
     elif isinstance(obj, (tuple, list)):
         for x in obj:
