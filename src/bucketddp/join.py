@@ -133,7 +133,7 @@ class BucketJoinHook(JoinHook):
 
     def __init__(self, wrapper: BucketDataParallel) -> None:
         self.wrapper = wrapper
-        self.world_size = dist.get_world_size(wrapper.process_group)
+        self.world_size = wrapper.reducer.world_size
 
     def main_hook(self) -> None:
         """Match one iteration of the ranks still training: header, buffers, backward."""

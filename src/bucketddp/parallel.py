@@ -166,9 +166,9 @@ class BucketDataParallel(nn.Module, Joinable):
     def _join_step(self) -> None:
         """Inside ``join()``: tell the joined ranks what this iteration does, then sync buffers."""
         notified = Join.notify_join_context(self)  # raises under throw_on_early_termination
-        world_size = dist.get_world_size(self.process_group)
+        world_size = self.reducer.world_size
         part = header(
-            dist.get_rank(self.process_group),
+            self.reducer.rank,
             world_size,
             sync_buffers=self._sync_buffers_next and self.buffers_sync.needed,
             sync_backward=torch.is_grad_enabled() and self.reducer.sync_enabled,
@@ -236,7 +236,7 @@ class BucketDataParallel(nn.Module, Joinable):
     def _end_join(self) -> None:
         """Leave join mode: called by the join hook once every rank has joined."""
         self._join_config = self._join_config._replace(enable=False)
-        self.reducer.set_divisor(dist.get_world_size(self.process_group))
+        self.reducer.set_divisor(self.reducer.world_size)
         self._sync_buffers_next = True
 
     def _check_parameters(self) -> None:

@@ -456,17 +456,21 @@ class Reducer:
             self._scale = 1.0 / ranks
 
     def _launch_hook(self, bucket: _Bucket) -> None:
+        bucket.work = self._call_hook(
+            self._next, bucket.grads, [self._views[i] for i in bucket.members]
+        )
+
+    def _call_hook(
+        self, k: int, grads: torch.Tensor, views: list[torch.Tensor] | None = None
+    ) -> torch.futures.Future[Any]:
+        """Call the communication hook on bucket ``k``'s gradients, held in ``grads``."""
         assert self._comm_hook is not None
         state, hook = self._comm_hook
-        members = bucket.members
-        view = GradBucket(
-            self._next,
-            bucket.grads,
-            [self._views[i] for i in members],
-            [self._params[i] for i in members],
-            self._next == len(self._buckets) - 1,
-        )
-        bucket.work = run_hook(hook, state, view)
+        params = [self._params[i] for i in self._buckets[k].members]
+        if views is None:
+            views = _slots(grads, params)
+        is_last = k == len(self._buckets) - 1
+        return run_hook(hook, state, GradBucket(k, grads, views, params, is_last))
 
     def _write_flags(self) -> None:
         n = len(self._params)
@@ -484,8 +488,12 @@ class Reducer:
             # Every planned parameter got a gradient, so it requires one; nothing else does.
             agreement.copy_(self._agreed)
         else:
-            local = [p.requires_grad for p in self._all_params]
-            agreement.copy_(torch.tensor([*local, self._changed is not None], dtype=counts.dtype))
+            self._write_local_agreement(agreement)
+
+    def _write_local_agreement(self, agreement: torch.Tensor) -> None:
+        """This rank's agreement part: requires_grad per model parameter, then "changed"."""
+        local = [p.requires_grad for p in self._all_params]
+        agreement.copy_(torch.tensor([*local, self._changed is not None], dtype=agreement.dtype))
 
     # --------------------------------------------------------------- end of backward
     def _finalize(self) -> None:
@@ -622,21 +630,16 @@ class Reducer:
         last = self._buckets[-1]
         flags = storages[-1][last.grads.numel() :]
         counts, agreement = flags[:n], flags[n:]
-        local = [p.requires_grad for p in self._all_params]
-        agreement.copy_(torch.tensor([*local, self._changed is not None], dtype=flags.dtype))
+        self._write_local_agreement(agreement)
         if self._comm_hook is None:
             works = [dist.all_reduce(s, group=self.process_group, async_op=True) for s in storages]
             for work in works:
                 work.wait()
         else:
-            state, hook = self._comm_hook
-            futures = []
-            for k, (bucket, storage) in enumerate(zip(self._buckets, storages, strict=True)):
-                grads = storage[: bucket.grads.numel()]
-                params = [self._params[i] for i in bucket.members]
-                is_last = k == len(self._buckets) - 1
-                view = GradBucket(k, grads, _slots(grads, params), params, is_last)
-                futures.append(run_hook(hook, state, view))
+            futures = [
+                self._call_hook(k, storage[: bucket.grads.numel()])
+                for k, (bucket, storage) in enumerate(zip(self._buckets, storages, strict=True))
+            ]
             for future in futures:
                 future.wait()
             dist.all_reduce(flags, group=self.process_group)
