@@ -93,6 +93,61 @@ def test_hook_gives_the_weights_of_torch_ddp_with_it(hook: str, tiny: bool) -> N
         assert any(not torch.equal(r["ours"][n], r["plain"][n]) for n in r["plain"])
 
 
+class _InOrder:
+    """A hook's state for torch DDP, whose call for bucket k waits for bucket k-1's future.
+
+    PowerSGD launches collectives from its futures' callbacks, on gloo's threads. torch DDP
+    calls the next bucket's hook meanwhile, so its ranks can issue collectives in different
+    orders: on gloo it fails with a size mismatch. Waiting makes it the ground truth.
+    """
+
+    def __init__(self, state: Any, hook: Callable[..., Any]) -> None:
+        self.state, self.hook = state, hook
+        self.previous: Any = None
+        self.shapes: list[list[tuple[int, ...]]] = []
+
+
+def _in_order(s, bucket):  # type: ignore[no-untyped-def]
+    if bucket.index() > 0:
+        s.previous.wait()
+    s.shapes.append([tuple(p.shape) for p in bucket.parameters()])
+    s.previous = s.hook(s.state, bucket)
+    return s.previous
+
+
+def _powersgd_buckets(rank: int, world: int) -> dict[str, Any]:
+    # The same two buckets as torch DDP's after its rebuild (checked below).
+    opts = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.002}
+    ours = train("mlp", _hooked(BucketDataParallel, "powersgd", **opts), rank, steps=6)
+    serial = _InOrder(*_powersgd())
+
+    def theirs_wrap(model: nn.Module) -> nn.Module:
+        wrapped = DDP(model, bucket_cap_mb=0.002)
+        wrapped.register_comm_hook(serial, _in_order)
+        return wrapped
+
+    theirs = train("mlp", theirs_wrap, rank, steps=6)
+    shape = {n: tuple(p.shape) for n, p in ours["params"].items()}
+    plan = [[shape[n] for n in b.names] for b in ours["wrapped"].bucket_plan]
+    return {
+        "ours": ours["params"],
+        "theirs": theirs["params"],
+        "plan": plan,
+        "torch": serial.shapes,
+    }
+
+
+def test_powersgd_with_several_buckets_keeps_one_collective_order() -> None:
+    # Before bucket k's hook waited for bucket k-1's future, this hung on every run.
+    for rank, r in enumerate(run_ranks(_powersgd_buckets, 2, timeout=90)):
+        assert len(r["plan"]) == 2
+        assert r["torch"][-2:] == r["plan"]
+        for name, want in r["theirs"].items():
+            torch.testing.assert_close(
+                r["ours"][name], want, rtol=0, atol=1e-6, msg=f"{name} on rank {rank}"
+            )
+
+
 @pytest.mark.parametrize("hook", ["fp16_compress", "powersgd"])
 def test_hook_runs_at_world_size_1_as_in_torch_ddp(hook: str) -> None:
     (r,) = run_ranks(_compare, 1, hook, False, timeout=60)

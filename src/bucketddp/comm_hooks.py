@@ -6,6 +6,14 @@ returns a future whose value is the reduced buffer. The hooks in
 ``torch.distributed.algorithms.ddp_comm_hooks`` (``allreduce_hook``, ``fp16_compress_hook``,
 the PowerSGD hooks, the compression wrappers) take the :class:`GradBucket` below as they
 take torch's own ``dist.GradBucket``.
+
+Each bucket's hook is called only once the previous bucket's future is done
+(:func:`call_after`). A hook may launch collectives from its futures' callbacks (PowerSGD
+does), and on gloo those callbacks run on the process group's own threads, whenever the
+previous collective happens to finish. Were the next bucket's hook called meanwhile from
+the backward pass, the ranks could issue their collectives in different orders: a
+collective mismatch, or a hang. Waiting for the previous future keeps one order on every
+rank. Where futures complete at launch (NCCL), the next hook is called at once.
 """
 
 from __future__ import annotations
@@ -74,6 +82,34 @@ def run_hook(hook: CommHook, state: Any, bucket: GradBucket) -> torch.futures.Fu
             "buffer (for example dist.all_reduce(..., async_op=True).get_future())"
         )
     return fut
+
+
+def call_after(
+    previous: torch.futures.Future[Any], call: Callable[[], torch.futures.Future[Any]]
+) -> torch.futures.Future[Any]:
+    """Make ``call()`` once ``previous`` is done; returns a future of what ``call()``'s holds.
+
+    ``call`` runs on the thread that completes ``previous`` (at once, here, if it already
+    is). An exception from ``call`` or from its future ends up in the returned future.
+    """
+    result: torch.futures.Future[Any] = torch.futures.Future()
+
+    def forward(done: torch.futures.Future[Any]) -> None:
+        try:
+            result.set_result(done.value())
+        except Exception as e:  # handed to whoever waits on ``result``
+            result.set_exception(e)
+
+    def start(_: torch.futures.Future[Any]) -> None:
+        try:
+            inner = call()
+        except Exception as e:  # handed to whoever waits on ``result``
+            result.set_exception(e)
+            return
+        inner.add_done_callback(forward)
+
+    previous.add_done_callback(start)
+    return result
 
 
 def hook_result(value: Any, buffer: torch.Tensor, hook: CommHook) -> torch.Tensor:

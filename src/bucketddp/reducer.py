@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .buckets import MB, BucketPlan, ParamInfo, plan_buckets
 from .comm import all_reduce_coalesced
-from .comm_hooks import CommHook, GradBucket, hook_result, run_hook
+from .comm_hooks import CommHook, GradBucket, call_after, hook_result, run_hook
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,9 @@ class Reducer:
         self._changed: tuple[list[str], list[str]] | None = None
         self._changed_handles: list[RemovableHandle] = []
         self._comm_hook: tuple[Any, CommHook] | None = None
+        # The future of the hook called last in this step: the next bucket's hook waits
+        # for it (see comm_hooks.call_after).
+        self._hook_tail: torch.futures.Future[Any] | None = None
         self._adopt(trainable)
 
     def _adopt(self, members: list[int]) -> None:
@@ -463,14 +466,24 @@ class Reducer:
     def _call_hook(
         self, k: int, grads: torch.Tensor, views: list[torch.Tensor] | None = None
     ) -> torch.futures.Future[Any]:
-        """Call the communication hook on bucket ``k``'s gradients, held in ``grads``."""
+        """Call the communication hook on bucket ``k``'s gradients, held in ``grads``.
+
+        Bucket 0's hook is called now; bucket ``k``'s once bucket ``k - 1``'s future is done,
+        so that collectives a hook launches from its callbacks keep one order on every rank.
+        """
         assert self._comm_hook is not None
         state, hook = self._comm_hook
         params = [self._params[i] for i in self._buckets[k].members]
         if views is None:
             views = _slots(grads, params)
-        is_last = k == len(self._buckets) - 1
-        return run_hook(hook, state, GradBucket(k, grads, views, params, is_last))
+        bucket = GradBucket(k, grads, views, params, k == len(self._buckets) - 1)
+        previous = self._hook_tail if k > 0 else None
+        if previous is None or previous.done():
+            future = run_hook(hook, state, bucket)
+        else:
+            future = call_after(previous, functools.partial(run_hook, hook, state, bucket))
+        self._hook_tail = future
+        return future
 
     def _write_flags(self) -> None:
         n = len(self._params)
