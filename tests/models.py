@@ -113,6 +113,35 @@ class Reentrant(MLP):
         return torch.utils.checkpoint.checkpoint(self.net[2:5], h, use_reentrant=True)
 
 
+class SparseEmb(nn.Module):
+    """Two sparse-gradient embeddings beside dense layers; ``use_left`` picks one of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, sparse=True)
+        self.bag = nn.EmbeddingBag(20, 8, mode="sum", sparse=True)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, use_left: bool | None = None) -> torch.Tensor:
+        if use_left is None:
+            h = self.emb(x).mean(dim=1) + self.bag(x)
+        else:
+            h = self.emb(x).mean(dim=1) if use_left else self.bag(x)
+        return self.head(torch.tanh(self.mix(h)))
+
+
+class SparseOnly(nn.Module):
+    """Nothing but a sparse-gradient embedding: no dense bucket at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 4, mode="mean", sparse=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bag(x)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": MLP,
     "conv": ConvNet,
@@ -122,6 +151,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "branchy": Branchy,
     "checkpointed": Checkpointed,
     "reentrant": Reentrant,
+    "sparse": SparseEmb,
+    "sparse_only": SparseOnly,
 }
 
 
@@ -134,6 +165,8 @@ def batch(name: str, step: int, rank: int, size: int = 6) -> tuple[torch.Tensor,
     g = torch.Generator().manual_seed(1000 * step + rank)
     if name == "conv":
         x = torch.randn(size, 3, 8, 8, generator=g)
+    elif name.startswith("sparse"):
+        x = torch.randint(0, 20, (size, 5), generator=g)
     elif name == "tied":
         x = torch.randint(0, 20, (size, 5), generator=g)
         return x, torch.randn(size, 20, generator=g)
@@ -200,6 +233,7 @@ def train_global(
     *,
     by_initial: bool = True,
     branch: Callable[[int, int], bool] | None = None,
+    set_to_none: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The ground truth of ``train``: one process, each step on the global batch.
 
@@ -216,5 +250,5 @@ def train_global(
             loss = F.mse_loss(model(x, **kwargs), y) / (len(steps) if by_initial else len(training))
             loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=set_to_none)
     return {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -434,15 +434,6 @@ def _bad_cap(rank: int, world: int) -> None:
     BucketDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=0)
 
 
-def _sparse(rank: int, world: int) -> None:
-    BucketDataParallel(torch.nn.Sequential(torch.nn.Embedding(5, 2, sparse=True)))
-
-
-def test_sparse_embedding_is_rejected_by_name() -> None:
-    with pytest.raises(RankError, match=r"modules \['0'\] produce sparse gradients"):
-        run_ranks(_sparse, 2, timeout=30)
-
-
 def _device_ids_on_cpu(rank: int, world: int) -> dict[str, str]:
     """What each wrapper says to torch DDP's device arguments on a CPU module."""
     said = {}

@@ -92,16 +92,6 @@ class BucketDataParallel(nn.Module, Joinable):
                 f"broadcast_buffers=False contradicts default_buffer_policy="
                 f"{default_buffer_policy!r}; pass only one of them"
             )
-        sparse = [
-            name
-            for name, m in module.named_modules()
-            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-        ]
-        if sparse:
-            raise ValueError(
-                f"modules {sparse} produce sparse gradients, which BucketDataParallel does not "
-                "reduce; build them with sparse=False"
-            )
         self.module = module
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
@@ -126,6 +116,7 @@ class BucketDataParallel(nn.Module, Joinable):
             first_bucket_mb=first_bucket_mb,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            sparse_names=_sparse_parameters(module),
         )
         # torch DDP's rule: buffers are synced before a forward that follows a synced,
         # grad-enabled forward (and before the very first one).
@@ -396,3 +387,13 @@ def _signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]
     ]
     sig += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
     return sig
+
+
+def _sparse_parameters(module: nn.Module) -> list[str]:
+    """Names of the parameters whose gradients are sparse: embeddings with ``sparse=True``."""
+    ids = {
+        id(m.weight)
+        for m in module.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+    }
+    return [n for n, p in module.named_parameters() if id(p) in ids]

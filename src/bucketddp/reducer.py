@@ -19,6 +19,9 @@ the first backward that sees it (its gradient for that step is averaged then, in
 extra collective), and one that differs between ranks is an error on every rank. The very
 last element counts the ranks whose module gained parameters after wrapping (see
 ``module_changed``): any is an error on every rank.
+
+Sparse gradients (embeddings with ``sparse=True``) get no slot: each is all-reduced on its
+own, in place, just before the last bucket, which waits for them.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,14 +84,19 @@ class CommStats:
 class _Bucket:
     """Runtime state of one planned bucket."""
 
-    __slots__ = ("flags", "grads", "members", "pending", "storage", "work")
+    __slots__ = ("expected", "flags", "grads", "members", "pending", "storage", "work")
 
-    def __init__(self, storage: torch.Tensor, numel: int, members: list[int]) -> None:
+    def __init__(
+        self, storage: torch.Tensor, numel: int, members: list[int], riders: int = 0
+    ) -> None:
         self.storage = storage
         self.grads = storage[:numel]  # what a communication hook sees
         self.flags: torch.Tensor | None = storage[numel:] if storage.numel() > numel else None
         self.members = members
-        self.pending = len(members)
+        # Gradients to wait for before launching: the members', and for the last bucket
+        # those of the sparse parameters (``riders``), reduced just before it.
+        self.expected = len(members) + riders
+        self.pending = self.expected
         # The all-reduce of the storage, or with a communication hook, the hook's future.
         self.work: dist.Work | torch.futures.Future[Any] | None = None
 
@@ -113,10 +121,21 @@ class Reducer:
         first_bucket_mb: float,
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
+        sparse_names: Collection[str] = (),
     ) -> None:
-        """``named_params`` is every parameter of the model; those requiring grad are reduced."""
+        """``named_params`` is every parameter of the model; those requiring grad are reduced.
+
+        ``sparse_names`` name the parameters whose gradients are sparse (those of
+        ``nn.Embedding`` and ``nn.EmbeddingBag`` with ``sparse=True``): they get no bucket
+        slot, and each is all-reduced on its own, just before the last bucket.
+        """
         self._all_names = [n for n, _ in named_params]
         self._all_params = [p for _, p in named_params]
+        self._sparse_names = frozenset(sparse_names)
+        # The sparse gradients of the step in flight: what each sparse parameter sent (its
+        # .grad, or an empty tensor where it has none), and the all-reduces.
+        self._sparse_sent: list[torch.Tensor] = []
+        self._sparse_works: list[dist.Work] = []
         trainable = [j for j, p in enumerate(self._all_params) if p.requires_grad]
         if not trainable:
             raise ValueError(
@@ -176,6 +195,8 @@ class Reducer:
             ParamInfo(n, p.numel(), p.dtype, p.device)
             for n, p in zip(self._names, self._params, strict=True)
         ]
+        self._sparse = [i for i, n in enumerate(self._names) if n in self._sparse_names]
+        self._is_sparse = [n in self._sparse_names for n in self._names]
 
         n = len(self._params)
         self._ready = [False] * n  # got its gradient in the current backward
@@ -184,17 +205,28 @@ class Reducer:
         self._observed: list[int] | None = []  # ready order of the first backward
         self._next = 0  # next bucket to launch, in plan order
 
-        self._install(
-            plan_buckets(
-                self._infos, cap_bytes=self._cap_bytes, first_cap_bytes=self._first_cap_bytes
-            )
-        )
+        self._install(self._plan())
         # partial (C-implemented) rather than a closure: one Python frame less per parameter
         # per step on the hot path.
         self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+            p.register_post_accumulate_grad_hook(
+                functools.partial(
+                    self._on_sparse_ready if self._is_sparse[i] else self._on_grad_ready, i
+                )
+            )
             for i, p in enumerate(self._params)
         ]
+
+    def _plan(self, order: Sequence[str] | None = None) -> BucketPlan:
+        """Plan the buckets of the dense parameters, in ``order`` if given."""
+        dense = [
+            info for info, sparse in zip(self._infos, self._is_sparse, strict=True) if not sparse
+        ]
+        if order is not None and self._sparse:
+            order = [n for n in order if n not in self._sparse_names]
+        return plan_buckets(
+            dense, cap_bytes=self._cap_bytes, first_cap_bytes=self._first_cap_bytes, order=order
+        )
 
     # ----------------------------------------------------------------- plan and storage
     def _install(self, plan: BucketPlan) -> None:
@@ -203,18 +235,28 @@ class Reducer:
         buckets: list[_Bucket] = []
         views: list[torch.Tensor] = [torch.empty(0)] * n
         bucket_of: list[_Bucket] = [None] * n  # type: ignore[list-item]
+        extra = n + len(self._all_params) + 1  # the flags, at the end of the last bucket
+        riders = len(self._sparse)
         for k, spec in enumerate(plan if self._communicates else ()):
-            extra = n + len(self._all_params) + 1 if k == len(plan) - 1 else 0
-            storage = torch.zeros(spec.numel + extra, dtype=spec.dtype, device=spec.device)
+            is_last = k == len(plan) - 1
+            storage = torch.zeros(
+                spec.numel + (extra if is_last else 0), dtype=spec.dtype, device=spec.device
+            )
             members = [self._index[name] for name in spec.names]
-            bucket = _Bucket(storage, spec.numel, members)
+            bucket = _Bucket(storage, spec.numel, members, riders if is_last else 0)
             slots = _slots(storage, [self._params[i] for i in members])
             for i, view in zip(members, slots, strict=True):
                 views[i] = view
                 bucket_of[i] = bucket
             buckets.append(bucket)
+        if self._communicates and riders:
+            if not buckets:  # only sparse parameters: a bucket of flags alone
+                device = self._params[self._sparse[0]].device
+                buckets.append(_Bucket(torch.zeros(extra, device=device), 0, [], riders))
+            for i in self._sparse:
+                bucket_of[i] = buckets[-1]
         for i, p in enumerate(self._params):
-            if p.grad is not None and self._communicates:
+            if p.grad is not None and self._communicates and not self._is_sparse[i]:
                 views[i].copy_(p.grad)
                 if self.gradient_as_bucket_view:
                     p.grad = views[i]
@@ -258,14 +300,7 @@ class Reducer:
         """Adopt a previously learned order; False (and keep learning) if the params differ."""
         if set(order) != set(self._names) or len(order) != len(self._names):
             return False
-        self._install(
-            plan_buckets(
-                self._infos,
-                cap_bytes=self._cap_bytes,
-                first_cap_bytes=self._first_cap_bytes,
-                order=order,
-            )
-        )
+        self._install(self._plan(order))
         self._observed = None
         return True
 
@@ -278,12 +313,7 @@ class Reducer:
             box: list[object] = [order]
             dist.broadcast_object_list(box, src=self._global_rank(0), group=self.process_group)
             order = box[0]  # type: ignore[assignment]
-        plan = plan_buckets(
-            self._infos,
-            cap_bytes=self._cap_bytes,
-            first_cap_bytes=self._first_cap_bytes,
-            order=order,
-        )
+        plan = self._plan(order)
         if [b.names for b in plan] == [b.names for b in self.plan]:
             self.plan = plan  # same buckets: keep the storage, remember the order
         else:
@@ -358,6 +388,28 @@ class Reducer:
         Variable._execution_engine.queue_callback(self._finalize)
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        if not self._mark_ready(i):
+            return
+        grad = param.grad
+        view = self._fill_slot(i, grad)
+        if self.gradient_as_bucket_view and grad is not view:
+            param.grad = view
+        bucket = self._bucket_of[i]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready()
+
+    def _on_sparse_ready(self, i: int, param: torch.Tensor) -> None:
+        """A sparse gradient stays in ``.grad``; it is reduced just before the last bucket."""
+        if not self._mark_ready(i):
+            return
+        bucket = self._bucket_of[i]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready()
+
+    def _mark_ready(self, i: int) -> bool:
+        """Record that parameter ``i`` got its gradient; returns whether to communicate."""
         if not self._queued:
             self._queue_finalize()
         if self._ready[i]:
@@ -372,16 +424,7 @@ class Reducer:
         self._used[i] = True
         if self._observed is not None:
             self._observed.append(i)
-        if not self.sync_enabled or not self._communicates:
-            return
-        grad = param.grad
-        view = self._fill_slot(i, grad)
-        if self.gradient_as_bucket_view and grad is not view:
-            param.grad = view
-        bucket = self._bucket_of[i]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready()
+        return self.sync_enabled and self._communicates
 
     def _fill_slot(self, i: int, grad: torch.Tensor | None) -> torch.Tensor:
         """Stage gradient ``i`` in its bucket slot, already divided by the world size.
@@ -401,8 +444,9 @@ class Reducer:
             return view
         if grad.layout != torch.strided:
             raise RuntimeError(
-                f"parameter {self._names[i]!r} has a {grad.layout} gradient; bucketddp reduces "
-                "dense gradients only (for nn.Embedding, pass sparse=False)"
+                f"parameter {self._names[i]!r} has a {grad.layout} gradient, but its module "
+                "did not have sparse=True when it was wrapped; set sparse=True on the "
+                "nn.Embedding or nn.EmbeddingBag before wrapping (or wrap it again)"
             )
         if grad.dtype != view.dtype:
             raise RuntimeError(
@@ -420,6 +464,8 @@ class Reducer:
         while self._next < len(buckets) and buckets[self._next].pending == 0:
             bucket = buckets[self._next]
             if bucket.flags is not None:
+                if self._sparse:
+                    self._launch_sparse()
                 self._write_flags()
             if self._comm_hook is None:
                 bucket.work = dist.all_reduce(
@@ -428,6 +474,26 @@ class Reducer:
             else:
                 self._launch_hook(bucket)
             self._next += 1
+
+    def _launch_sparse(self) -> None:
+        """All-reduce each sparse gradient, averaged, in place; an empty one where none.
+
+        A sparse parameter with no gradient here since the last synced backward (unused, or
+        frozen) sends an empty one, so that every rank launches the same collectives; a
+        ``.grad`` left from earlier steps is not sent, nor changed.
+        """
+        self._sparse_sent = []
+        self._sparse_works = []
+        for i in self._sparse:
+            grad = self._params[i].grad if self._used[i] else None
+            if grad is None:
+                grad = _empty_sparse(self._params[i])
+            else:
+                grad.div_(self._divisor)  # torch DDP's arithmetic for sparse gradients
+            self._sparse_sent.append(grad)
+            self._sparse_works.append(
+                dist.all_reduce(grad, group=self.process_group, async_op=True)
+            )
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce each bucket's gradients with ``hook(state, bucket)`` from the next step on."""
@@ -440,6 +506,14 @@ class Reducer:
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         if self._queued:
             raise RuntimeError("register_comm_hook cannot be called during a backward pass")
+        if self._sparse:
+            raise RuntimeError(
+                "register_comm_hook: parameters "
+                f"{_first_names([self._names[i] for i in self._sparse])} have sparse gradients "
+                "(sparse=True), which bucketddp all-reduces itself; communication hooks are "
+                "supported for dense gradients only. Build the embeddings with sparse=False to "
+                "use a hook."
+            )
         self._comm_hook = (state, hook)
         self._scale = 1.0  # slots hold plain gradients: the hook averages
         if not self._communicates:
@@ -551,11 +625,14 @@ class Reducer:
         if self._n_ready < len(self._ready):
             locally_missing = [i for i, r in enumerate(self._ready) if not r]
         for i in locally_missing:
-            self._fill_slot(i, self._params[i].grad)
+            if not self._is_sparse[i]:
+                self._fill_slot(i, self._params[i].grad)
             self._bucket_of[i].pending -= 1
         self._launch_ready()
 
         start = time.perf_counter()
+        for work in self._sparse_works:
+            work.wait()
         for bucket in self._buckets:
             value = bucket.wait()
             if self._comm_hook is not None:
@@ -572,8 +649,9 @@ class Reducer:
             dist.all_reduce(flags, group=self.process_group)
         waited = time.perf_counter() - start
         self.stats = CommStats(
-            collectives=len(self._buckets) + (self._comm_hook is not None),
-            bytes_reduced=sum(b.storage.numel() * b.storage.element_size() for b in self._buckets),
+            collectives=len(self._buckets) + len(self._sparse) + (self._comm_hook is not None),
+            bytes_reduced=sum(_nbytes(b.storage) for b in self._buckets)
+            + sum(_nbytes(g) for g in self._sparse_sent),
             wait_seconds=waited,
             buckets=len(self._buckets),
         )
@@ -591,10 +669,17 @@ class Reducer:
             if self.gradient_as_bucket_view:
                 # A parameter unused here but used elsewhere takes the averaged gradient.
                 for i in locally_missing:
-                    if used_anywhere[i] and self._params[i].grad is not self._views[i]:
+                    if (
+                        used_anywhere[i]
+                        and not self._is_sparse[i]
+                        and self._params[i].grad is not self._views[i]
+                    ):
                         self._params[i].grad = self._views[i]
             else:
                 self._copy_back(used_anywhere)
+            for i, sent in zip(self._sparse, self._sparse_sent, strict=True):
+                if used_anywhere[i] and self._params[i].grad is not sent:
+                    self._params[i].grad = sent  # unused here: the others' average
         if joined:
             return self._reduce_joined(joined), joined
         return None, []
@@ -645,7 +730,12 @@ class Reducer:
         counts, agreement = flags[:n], flags[n:]
         self._write_local_agreement(agreement)
         if self._comm_hook is None:
-            works = [dist.all_reduce(s, group=self.process_group, async_op=True) for s in storages]
+            # The sparse gradients' all-reduces come just before the last bucket's.
+            sparse = [_empty_sparse(self._params[i]) for i in self._sparse]
+            works = [
+                dist.all_reduce(t, group=self.process_group, async_op=True)
+                for t in [*storages[:-1], *sparse, storages[-1]]
+            ]
             for work in works:
                 work.wait()
         else:
@@ -669,6 +759,14 @@ class Reducer:
         each with one more element counting the ranks that produced a gradient for it. A
         parameter no rank produced a gradient for keeps ``.grad`` untouched.
         """
+        sparse = [self._all_names[j] for j in joined if self._all_names[j] in self._sparse_names]
+        if sparse:
+            return (
+                f"parameters {_first_names(sparse)} have sparse gradients and became "
+                "trainable after the model was wrapped; bucketddp plans sparse parameters when "
+                "it wraps the model. Unfreeze them before wrapping, or wrap the model again "
+                "after unfreezing them."
+            )
         params = [self._all_params[j] for j in joined]
         averages = [
             torch.mul(p.grad, 1.0 / self.world_size) if p.grad is not None else torch.zeros_like(p)
@@ -701,7 +799,7 @@ class Reducer:
         whose ``.grad`` stays untouched, as torch DDP does.
         """
         for i, p in enumerate(self._params):
-            if take is not None and not take[i]:
+            if (take is not None and not take[i]) or self._is_sparse[i]:
                 continue
             if p.grad is None:
                 p.grad = self._views[i].clone()
@@ -775,6 +873,8 @@ class Reducer:
             "gradient reduction is discarded"
         )
         self._queued = False
+        for work in self._sparse_works:
+            work.wait()
         for bucket in self._buckets:
             bucket.wait()
         self._reset_step()
@@ -785,8 +885,10 @@ class Reducer:
         self._ready = [False] * n
         self._n_ready = 0
         self._next = 0
+        self._sparse_sent = []
+        self._sparse_works = []
         for bucket in self._buckets:
-            bucket.pending = len(bucket.members)
+            bucket.pending = bucket.expected
 
     def remove(self) -> None:
         """Detach the hooks; the parameters keep their current gradients."""
@@ -804,6 +906,20 @@ def _slots(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Ten
         views.append(flat[offset : offset + p.numel()].view(p.shape))
         offset += p.numel()
     return views
+
+
+def _empty_sparse(param: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient for ``param`` (an embedding's weight) with no rows: it adds nothing."""
+    indices = torch.empty(1, 0, dtype=torch.long, device=param.device)
+    values = torch.empty(0, *param.shape[1:], dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=False)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes a tensor puts on the wire: a sparse one's indices and values."""
+    if t.layout == torch.sparse_coo:
+        return _nbytes(t._indices()) + _nbytes(t._values())
+    return t.numel() * t.element_size()
 
 
 def _first_names(names: list[str], limit: int = 10) -> str:
