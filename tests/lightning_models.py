@@ -311,6 +311,17 @@ class CountAllReduces(pl.Callback):
         self.buckets = len(trainer.strategy.model.bucket_plan)  # type: ignore[arg-type]
 
 
+class WrapperAttribute(pl.Callback):
+    """Reads an attribute of the wrapper the strategy trains (``static_graph``, say)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.value: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.value = getattr(trainer.strategy.model, self.name)
+
+
 class SyncedBatches(pl.Callback):
     """Records the batches after which the reducer had completed a new synced backward."""
 

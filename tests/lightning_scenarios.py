@@ -22,6 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import bucketddp
@@ -42,6 +43,7 @@ from lightning_models import (
     SyncedBatches,
     Transformer,
     Unused,
+    WrapperAttribute,
     Zero,
     hook_count,
     weights,
@@ -111,6 +113,15 @@ def swap(out: Path) -> dict[str, Any]:
     ):
         _, model = fit(strategy, Boring, max_steps=6, callbacks=callbacks)
         result[f"fp16/{label}"] = weights(model)
+    # static_graph=True reaches the wrapper, and trains as DDPStrategy(static_graph=True).
+    for label, strategy in (
+        ("ddp", DDPStrategy(static_graph=True)),
+        ("bucket", BucketDDP(static_graph=True)),
+    ):
+        static = WrapperAttribute("static_graph")
+        _, model = fit(strategy, Boring, max_steps=4, callbacks=[static])
+        result[f"static/{label}"] = weights(model)
+        result[f"static_flag/{label}"] = static.value
     # A model compiled before fit: Lightning compiles its training_step, the strategy wraps.
     for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
         result[f"compiled/{label}"], result[f"compiled_graphs/{label}"] = _compiled(strategy)

@@ -113,6 +113,24 @@ class Reentrant(MLP):
         return torch.utils.checkpoint.checkpoint(self.net[2:5], h, use_reentrant=True)
 
 
+class SharedSegments(MLP):
+    """One layer runs in two reentrant checkpoint segments: two gradients per backward.
+
+    ``net.1`` (a ReLU) keeps MLP's parameter names; ``net.2`` is the shared layer.
+    """
+
+    segments = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.net[0](x))
+        for _ in range(self.segments):
+            h = torch.utils.checkpoint.checkpoint(self._mid, h, use_reentrant=True)
+        return self.net[4](h)
+
+    def _mid(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.net[2](h))
+
+
 class SparseEmb(nn.Module):
     """Two sparse-gradient embeddings beside dense layers; ``use_left`` picks one of them."""
 
@@ -151,6 +169,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "branchy": Branchy,
     "checkpointed": Checkpointed,
     "reentrant": Reentrant,
+    "shared_segments": SharedSegments,
     "sparse": SparseEmb,
     "sparse_only": SparseOnly,
 }
@@ -234,21 +253,32 @@ def train_global(
     by_initial: bool = True,
     branch: Callable[[int, int], bool] | None = None,
     set_to_none: bool = True,
+    accumulate: int = 1,
 ) -> dict[str, torch.Tensor]:
     """The ground truth of ``train``: one process, each step on the global batch.
 
     Rank ``r`` has ``steps[r]`` batches; each step, the ranks that still have one each add
-    their loss, divided by the world size (``by_initial``) or by the number of them.
+    their loss, divided by the world size (``by_initial``) or by the number of them, for
+    each of ``accumulate`` micro-batches.
     """
     model = build(name)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(max(steps)):
         training = [r for r in range(len(steps)) if steps[r] > step]
-        for r in training:
-            x, y = batch(name, step, r)
-            kwargs = {"use_left": branch(r, step)} if branch else {}
-            loss = F.mse_loss(model(x, **kwargs), y) / (len(steps) if by_initial else len(training))
-            loss.backward()
+        for micro in range(accumulate):
+            for r in training:
+                x, y = batch(name, step * accumulate + micro, r)
+                kwargs = {"use_left": branch(r, step)} if branch else {}
+                loss = F.mse_loss(model(x, **kwargs), y)
+                (loss / (len(steps) if by_initial else len(training))).backward()
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rank: int) -> None:
+    """Every tensor of ``want`` equals ``got``'s to 1e-6 (the engine tests' tolerance)."""
+    for name, value in want.items():
+        torch.testing.assert_close(
+            got[name], value, rtol=0, atol=1e-6, msg=f"{name} on rank {rank}"
+        )

@@ -33,6 +33,15 @@ class RankError(AssertionError):
     """A rank raised; the message carries its traceback."""
 
 
+def raised(fn: Callable[[], object], kind: type[Exception] = RuntimeError) -> str:
+    """The message of the ``kind`` of error ``fn()`` raises on this rank (for error tests)."""
+    try:
+        fn()
+    except kind as e:
+        return str(e)
+    return "nothing raised"
+
+
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

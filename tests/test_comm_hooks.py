@@ -14,8 +14,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
-from models import batch, build, train
-from multirank import run_ranks
+from models import assert_weights, batch, build, train
+from multirank import raised, run_ranks
 
 TINY = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005}
 
@@ -79,10 +79,7 @@ CASES = [(h, False) for h in HOOKS] + [(h, True) for h in HOOKS if h != "powersg
 def test_hook_gives_the_weights_of_torch_ddp_with_it(hook: str, tiny: bool) -> None:
     results = run_ranks(_compare, 2, hook, tiny, timeout=90)
     for rank, r in enumerate(results):
-        for name, want in r["theirs"].items():
-            torch.testing.assert_close(
-                r["ours"][name], want, rtol=0, atol=1e-6, msg=f"{name} on rank {rank}"
-            )
+        assert_weights(r["ours"], r["theirs"], rank)
         if tiny:
             assert r["buckets"] > 2
         # One hook call per bucket, and the flags' own all-reduce.
@@ -142,10 +139,7 @@ def test_powersgd_with_several_buckets_keeps_one_collective_order() -> None:
     for rank, r in enumerate(run_ranks(_powersgd_buckets, 2, timeout=90)):
         assert len(r["plan"]) == 2
         assert r["torch"][-2:] == r["plan"]
-        for name, want in r["theirs"].items():
-            torch.testing.assert_close(
-                r["ours"][name], want, rtol=0, atol=1e-6, msg=f"{name} on rank {rank}"
-            )
+        assert_weights(r["ours"], r["theirs"], rank)
 
 
 @pytest.mark.parametrize("hook", ["fp16_compress", "powersgd"])
@@ -165,15 +159,9 @@ def _misuse(rank: int, world: int) -> dict[str, str]:
     said = {}
     model = BucketDataParallel(build("mlp"))
     model.register_comm_hook(None, _bad_hook)
-    try:
-        model.register_comm_hook(None, default_hooks.allreduce_hook)
-    except RuntimeError as e:
-        said["twice"] = str(e)
+    said["twice"] = raised(lambda: model.register_comm_hook(None, default_hooks.allreduce_hook))
     x, y = batch("mlp", 0, rank)
-    try:
-        F.mse_loss(model(x), y).backward()
-    except TypeError as e:
-        said["not_a_future"] = str(e)
+    said["not_a_future"] = raised(lambda: F.mse_loss(model(x), y).backward(), TypeError)
     return said
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -12,8 +11,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
-from models import batch, build, train, train_global
-from multirank import run_ranks
+from models import assert_weights, batch, build, train, train_global
+from multirank import raised, run_ranks
 
 TINY = {"bucket_cap_mb": 0.00001, "first_bucket_mb": 0.00001}  # one per parameter
 
@@ -54,10 +53,7 @@ def test_sparse_gradients_give_the_weights_of_torch_ddp(case: str) -> None:
     results = run_ranks(_against_ddp, spec.get("world", 2), spec, timeout=90)
     sparse = 1 if spec.get("name") == "sparse_only" else 2
     for rank, r in enumerate(results):
-        for name, want in r["theirs"].items():
-            torch.testing.assert_close(
-                r["ours"][name], want, rtol=0, atol=1e-6, msg=f"{name} on rank {rank}"
-            )
+        assert_weights(r["ours"], r["theirs"], rank)
         # One all-reduce per dense bucket (or, with none, for the flags) and per sparse one.
         assert r["stats"].collectives == max(r["buckets"], 1) + sparse
         if case == "tiny_buckets":
@@ -98,38 +94,26 @@ def test_sparse_gradients_with_unused_parameters_and_uneven_inputs(
     )
     results = run_ranks(_find_unused, 2, steps, join, set_to_none, timeout=90)
     for rank, got in enumerate(results):
-        for name, value in want.items():
-            torch.testing.assert_close(
-                got[name], value, rtol=0, atol=1e-6, msg=f"{name} on rank {rank}"
-            )
-
-
-def _raised(fn: Callable[[], object]) -> str:
-    """The message of the RuntimeError ``fn()`` raises."""
-    try:
-        fn()
-    except RuntimeError as e:
-        return str(e)
-    return "nothing raised"
+        assert_weights(got, want, rank)
 
 
 def _errors(rank: int, world: int) -> dict[str, str]:
     x, y = batch("sparse", 0, rank)
     model = BucketDataParallel(build("sparse"))
-    said = {"hook": _raised(lambda: model.register_comm_hook(None, default_hooks.allreduce_hook))}
+    said = {"hook": raised(lambda: model.register_comm_hook(None, default_hooks.allreduce_hook))}
     # Rank 1 leaves the embedding unused, without find_unused_parameters.
-    said["unused"] = _raised(lambda: F.mse_loss(model(x, use_left=rank == 0), y).backward())
+    said["unused"] = raised(lambda: F.mse_loss(model(x, use_left=rank == 0), y).backward())
 
     late = build("sparse")  # frozen when wrapped, unfrozen after
     late.emb.weight.requires_grad_(False)
     unfrozen = BucketDataParallel(late)
     late.emb.weight.requires_grad_(True)
-    said["unfrozen"] = _raised(lambda: F.mse_loss(unfrozen(x), y).backward())
+    said["unfrozen"] = raised(lambda: F.mse_loss(unfrozen(x), y).backward())
 
     bag = torch.nn.EmbeddingBag(20, 4)  # made sparse after wrapping
     made_sparse = BucketDataParallel(torch.nn.Sequential(bag))
     bag.sparse = True
-    said["made_sparse"] = _raised(lambda: F.mse_loss(made_sparse(x), y).backward())
+    said["made_sparse"] = raised(lambda: F.mse_loss(made_sparse(x), y).backward())
     return said
 
 

@@ -121,6 +121,7 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
         gradient_as_bucket_view=False,
         buffer_sync={"*.running_*": "mean"},
         default_buffer_policy="none",
+        static_graph=True,
         process_group_backend="gloo",
         timeout=timedelta(seconds=30),
     )
@@ -132,6 +133,7 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
         "broadcast_buffers": True,
         "buffer_sync": {"*.running_*": "mean"},
         "default_buffer_policy": "none",
+        "static_graph": True,
     }
     assert s.process_group_backend == "gloo"
     assert s._timeout == timedelta(seconds=30)
@@ -261,6 +263,13 @@ def test_manual_optimization_with_toggle_model(swap: list[dict[str, Any]]) -> No
         # toggle_model(sync_grad=False) on even batches: only odd batches communicate.
         assert rank["gan_synced/bucket"] == [1, 3, 1, 3]
         assert rank["gan_synced/bucket_default"] == [1, 3, 1, 3]
+
+
+def test_static_graph_reaches_the_wrapper_and_trains_as_ddp(swap: list[dict[str, Any]]) -> None:
+    for rank in swap:
+        assert rank["static_flag/bucket"] is True
+        assert moved(rank["boring/init"], rank["static/bucket"])
+        assert_same(rank["static/ddp"], rank["static/bucket"], tol=1e-6)
 
 
 def test_compiled_model_gives_the_weights_of_ddp(swap: list[dict[str, Any]]) -> None:

@@ -51,6 +51,11 @@ class BucketDataParallel(nn.Module, Joinable):
             arguments are then moved to it, as torch DDP does. None (the default) or ``[]``
             for a CPU module.
         output_device: torch DDP's argument: None, or the device of ``device_ids``.
+        static_graph: torch DDP's promise that every step runs the same graph. A parameter
+            may then get several gradients in one backward (a layer shared by reentrant
+            checkpoint segments), and parameters the graph never uses are allowed without
+            ``find_unused_parameters``. The first synced backward counts the gradients and
+            reduces at its end, without overlap.
 
     Raises:
         RuntimeError: when no process group is initialized, or the ranks' models differ.
@@ -72,6 +77,7 @@ class BucketDataParallel(nn.Module, Joinable):
         default_buffer_policy: Policy | None = None,
         device_ids: Sequence[int | str | torch.device] | None = None,
         output_device: int | str | torch.device | None = None,
+        static_graph: bool = False,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -95,6 +101,7 @@ class BucketDataParallel(nn.Module, Joinable):
         self.module = module
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
 
         verify_same_model(_signature(module), process_group)
@@ -117,6 +124,7 @@ class BucketDataParallel(nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             sparse_names=_sparse_parameters(module),
+            static_graph=static_graph,
         )
         # torch DDP's rule: buffers are synced before a forward that follows a synced,
         # grad-enabled forward (and before the very first one).

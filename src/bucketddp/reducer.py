@@ -30,7 +30,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,12 +122,19 @@ class Reducer:
         find_unused_parameters: bool,
         gradient_as_bucket_view: bool,
         sparse_names: Collection[str] = (),
+        static_graph: bool = False,
     ) -> None:
         """``named_params`` is every parameter of the model; those requiring grad are reduced.
 
         ``sparse_names`` name the parameters whose gradients are sparse (those of
         ``nn.Embedding`` and ``nn.EmbeddingBag`` with ``sparse=True``): they get no bucket
         slot, and each is all-reduced on its own, just before the last bucket.
+
+        ``static_graph``: the graph is the same every step, as torch DDP's option means. A
+        parameter may then get several gradients per backward (reentrant checkpoint
+        segments sharing it): the first synced backward counts them and reduces everything
+        at its end; later ones reduce a parameter at its last gradient. Parameters that get
+        none are allowed, as with ``find_unused_parameters``.
         """
         self._all_names = [n for n, _ in named_params]
         self._all_params = [p for _, p in named_params]
@@ -145,7 +152,9 @@ class Reducer:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.find_unused_parameters = find_unused_parameters
+        # A static graph may leave parameters unused, as torch DDP allows.
+        self.find_unused_parameters = find_unused_parameters or static_graph
+        self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.sync_enabled = True
         self.stats = CommStats()
@@ -204,18 +213,23 @@ class Reducer:
         self._used = [False] * n  # got a gradient since the last synced backward
         self._observed: list[int] | None = []  # ready order of the first backward
         self._next = 0  # next bucket to launch, in plan order
+        # static_graph: gradients per parameter in this backward, and how many the first
+        # synced backward counted (None until then).
+        self._fires = [0] * n
+        self._expected_fires: list[int] | None = None
 
         self._install(self._plan())
         # partial (C-implemented) rather than a closure: one Python frame less per parameter
         # per step on the hot path.
         self._handles = [
-            p.register_post_accumulate_grad_hook(
-                functools.partial(
-                    self._on_sparse_ready if self._is_sparse[i] else self._on_grad_ready, i
-                )
-            )
+            p.register_post_accumulate_grad_hook(functools.partial(self._hook_for(i), i))
             for i, p in enumerate(self._params)
         ]
+
+    def _hook_for(self, i: int) -> Callable[[int, torch.Tensor], None]:
+        if self.static_graph:
+            return self._on_static_ready
+        return self._on_sparse_ready if self._is_sparse[i] else self._on_grad_ready
 
     def _plan(self, order: Sequence[str] | None = None) -> BucketPlan:
         """Plan the buckets of the dense parameters, in ``order`` if given."""
@@ -408,6 +422,36 @@ class Reducer:
         if bucket.pending == 0:
             self._launch_ready()
 
+    def _on_static_ready(self, i: int, param: torch.Tensor) -> None:
+        """static_graph: act on parameter ``i``'s last gradient of the backward.
+
+        Until the first synced backward has counted them, and inside ``no_sync``, only the
+        first gradient is recorded; ``_reduce`` then fills the slots from ``.grad``.
+        """
+        fires = self._fires[i] = self._fires[i] + 1
+        expected = self._expected_fires
+        if expected is None or not self.sync_enabled:
+            if fires == 1:
+                self._mark_ready(i)
+            return
+        if fires < expected[i]:
+            if fires == 1:  # used, even if its last gradient never comes (reduced at the end)
+                self._used[i] = True
+                if not self._queued:
+                    self._queue_finalize()
+            return
+        if fires > expected[i]:
+            raise RuntimeError(
+                f"parameter {self._names[i]!r} received {fires} gradients in this backward "
+                f"pass, but {expected[i]} in the first one; static_graph=True needs the same "
+                "graph every step. Pass static_graph=False (and use_reentrant=False to "
+                "torch.utils.checkpoint if a parameter is used in several segments)."
+            )
+        if self._is_sparse[i]:
+            self._on_sparse_ready(i, param)
+        else:
+            self._on_grad_ready(i, param)
+
     def _mark_ready(self, i: int) -> bool:
         """Record that parameter ``i`` got its gradient; returns whether to communicate."""
         if not self._queued:
@@ -417,7 +461,8 @@ class Reducer:
                 f"parameter {self._names[i]!r} received a gradient twice in one backward pass; "
                 "bucketddp supports one gradient per parameter per backward (a parameter used "
                 "in two reentrant checkpoint segments gets one per segment: pass "
-                "use_reentrant=False to torch.utils.checkpoint)"
+                "use_reentrant=False to torch.utils.checkpoint, or static_graph=True to the "
+                "wrapper if the graph is the same every step)"
             )
         self._ready[i] = True
         self._n_ready += 1
@@ -621,6 +666,8 @@ class Reducer:
 
     def _reduce(self) -> tuple[str | None, list[int]]:
         """Launch what is left, wait for everything and check; returns (error, joining params)."""
+        if self.static_graph and self._expected_fires is None:
+            self._fill_counted()
         locally_missing: list[int] = []
         if self._n_ready < len(self._ready):
             locally_missing = [i for i, r in enumerate(self._ready) if not r]
@@ -683,6 +730,23 @@ class Reducer:
         if joined:
             return self._reduce_joined(joined), joined
         return None, []
+
+    def _fill_counted(self) -> None:
+        """static_graph, first synced backward: stage every gradient now, and keep the counts.
+
+        Its hooks only counted gradients, since a parameter's last one could not be told
+        apart from the others until the end.
+        """
+        for i, p in enumerate(self._params):
+            if not self._ready[i]:
+                continue
+            if not self._is_sparse[i]:
+                grad = p.grad
+                view = self._fill_slot(i, grad)
+                if self.gradient_as_bucket_view and grad is not view:
+                    p.grad = view
+            self._bucket_of[i].pending -= 1
+        self._expected_fires = list(self._fires)
 
     def _check_flags(
         self, counts: torch.Tensor, agreement: torch.Tensor, missing_here: bool
@@ -885,6 +949,8 @@ class Reducer:
         self._ready = [False] * n
         self._n_ready = 0
         self._next = 0
+        if self.static_graph:
+            self._fires = [0] * n
         self._sparse_sent = []
         self._sparse_works = []
         for bucket in self._buckets:

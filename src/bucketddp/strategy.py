@@ -103,6 +103,9 @@ class BucketDDP(DDPStrategy):
             CPU included; for example ``default_hooks.fp16_compress_hook``.
         ddp_comm_state: the hook's state, e.g. a ``PowerSGDState``.
         ddp_comm_wrapper: applied to the hook, e.g. ``default_hooks.fp16_compress_wrapper``.
+        static_graph: the graph is the same every step, as with ``DDPStrategy``: a layer may
+            run in several reentrant checkpoint segments, and parameters the graph never uses
+            need no ``find_unused_parameters``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
 
@@ -125,6 +128,7 @@ class BucketDDP(DDPStrategy):
         ddp_comm_hook: Callable[..., Any] | None = None,
         ddp_comm_state: object | None = None,
         ddp_comm_wrapper: Callable[..., Any] | None = None,
+        static_graph: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[Any] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -158,6 +162,7 @@ class BucketDDP(DDPStrategy):
             broadcast_buffers=broadcast_buffers,
             buffer_sync=dict(buffer_sync) if buffer_sync is not None else None,
             default_buffer_policy=default_buffer_policy,
+            static_graph=static_graph,
         )
         # The order from a loaded checkpoint, until the wrapper adopts it.
         self._saved_bucket_order: list[str] | None = None
