@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
 
 import bucketddp
 from bucketddp import BucketDDP
@@ -122,6 +122,24 @@ def swap(out: Path) -> dict[str, Any]:
         _, model = fit(strategy, Boring, max_steps=4, callbacks=[static])
         result[f"static/{label}"] = weights(model)
         result[f"static_flag/{label}"] = static.value
+    # Post-local SGD: averaged gradients for 2 steps, then local ones, with the parameters
+    # averaged every 3 optimizer steps. "ddp" gets the hook from a callback (Lightning
+    # registers it only on CUDA); both get model averaging from the strategy.
+    for label in ("ddp", "bucket"):
+        state = post_localSGD_hook.PostLocalSGDState(
+            None, None, start_localSGD_iter=2, post_local_gradient_allreduce=False
+        )
+        options = {
+            "ddp_comm_state": state,
+            "ddp_comm_hook": post_localSGD_hook.post_localSGD_hook,
+            "model_averaging_period": 3,
+        }
+        if label == "ddp":
+            hooked = RegisterCommHook(post_localSGD_hook.post_localSGD_hook, state)
+            _, model = fit(DDPStrategy(**options), Boring, max_steps=6, callbacks=[hooked])
+        else:
+            _, model = fit(BucketDDP(**options), Boring, max_steps=6)
+        result[f"local_sgd/{label}"] = weights(model)
     # A model compiled before fit: Lightning compiles its training_step, the strategy wraps.
     for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
         result[f"compiled/{label}"], result[f"compiled_graphs/{label}"] = _compiled(strategy)

@@ -10,7 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    default_hooks,
+    post_localSGD_hook,
+    powerSGD_hook,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
@@ -41,12 +45,25 @@ def _powersgd() -> tuple[Any, Callable[..., Any]]:
     return state, powerSGD_hook.powerSGD_hook
 
 
+def _local_sgd() -> tuple[Any, Callable[..., Any]]:
+    # Averaged gradients for two steps, then each rank steps on its own gradients (the
+    # model averaging of post-local SGD lives in the optimizer, not in the hook).
+    state = post_localSGD_hook.PostLocalSGDState(
+        process_group=None,
+        subgroup=None,
+        start_localSGD_iter=2,
+        post_local_gradient_allreduce=False,
+    )
+    return state, post_localSGD_hook.post_localSGD_hook
+
+
 HOOKS: dict[str, Callable[[], tuple[Any, Callable[..., Any]]]] = {
     "allreduce": lambda: (None, default_hooks.allreduce_hook),
     "fp16_compress": lambda: (None, default_hooks.fp16_compress_hook),
     "fp16_wrapper": lambda: (None, default_hooks.fp16_compress_wrapper(_sum_then_halve)),
     "custom": lambda: (None, _sum_then_halve),
     "powersgd": _powersgd,
+    "post_local_sgd": _local_sgd,
 }
 
 
@@ -84,8 +101,8 @@ def test_hook_gives_the_weights_of_torch_ddp_with_it(hook: str, tiny: bool) -> N
             assert r["buckets"] > 2
         # One hook call per bucket, and the flags' own all-reduce.
         assert r["collectives"] == r["buckets"] + 1
-    # Compression changes the result: the hook was really used.
-    if hook in ("fp16_compress", "powersgd"):
+    # Compression (or local steps) changes the result: the hook was really used.
+    if hook in ("fp16_compress", "powersgd", "post_local_sgd"):
         r = results[0]
         assert any(not torch.equal(r["ours"][n], r["plain"][n]) for n in r["plain"])
 

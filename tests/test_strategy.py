@@ -146,8 +146,13 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
     with pytest.raises(ValueError, match="ddp_comm_wrapper apply to a ddp_comm_hook"):
         BucketDDP(ddp_comm_wrapper=default_hooks.fp16_compress_wrapper)
     local_sgd = post_localSGD_hook.PostLocalSGDState(None, None, start_localSGD_iter=8)
-    with pytest.raises(ValueError, match="does not support post-local SGD"):
-        BucketDDP(ddp_comm_state=local_sgd, ddp_comm_hook=post_localSGD_hook.post_localSGD_hook)
+    hook = post_localSGD_hook.post_localSGD_hook
+    with pytest.raises(ValueError, match="pass model_averaging_period=N"):
+        BucketDDP(ddp_comm_state=local_sgd, ddp_comm_hook=hook)
+    with pytest.raises(ValueError, match="applies to post-local SGD only"):
+        BucketDDP(model_averaging_period=4)
+    with pytest.raises(ValueError, match="must be a positive integer, got 0"):
+        BucketDDP(ddp_comm_state=local_sgd, ddp_comm_hook=hook, model_averaging_period=0)
     hooked = BucketDDP(
         ddp_comm_hook=default_hooks.allreduce_hook,
         ddp_comm_wrapper=default_hooks.fp16_compress_wrapper,
@@ -270,6 +275,15 @@ def test_static_graph_reaches_the_wrapper_and_trains_as_ddp(swap: list[dict[str,
         assert rank["static_flag/bucket"] is True
         assert moved(rank["boring/init"], rank["static/bucket"])
         assert_same(rank["static/ddp"], rank["static/bucket"], tol=1e-6)
+
+
+def test_post_local_sgd_gives_the_weights_of_ddp(swap: list[dict[str, Any]]) -> None:
+    for rank in swap:
+        assert_same(rank["local_sgd/ddp"], rank["local_sgd/bucket"], tol=1e-6)
+        # Local steps made it differ from fully synced training (the "boring" run).
+        assert moved(rank["boring/bucket"], rank["local_sgd/bucket"])
+    # Step 6 averaged the parameters, so the ranks agree again.
+    assert_same(swap[0]["local_sgd/bucket"], swap[1]["local_sgd/bucket"], tol=1e-6)
 
 
 def test_compiled_model_gives_the_weights_of_ddp(swap: list[dict[str, Any]]) -> None:

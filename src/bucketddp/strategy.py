@@ -101,8 +101,13 @@ class BucketDDP(DDPStrategy):
         ddp_comm_hook: a communication hook, ``hook(state, bucket) -> Future``, registered
             on the wrapper (``BucketDataParallel.register_comm_hook``) on every accelerator,
             CPU included; for example ``default_hooks.fp16_compress_hook``.
-        ddp_comm_state: the hook's state, e.g. a ``PowerSGDState``.
+        ddp_comm_state: the hook's state, e.g. a ``PowerSGDState``, or a
+            ``PostLocalSGDState`` for post-local SGD (with ``post_localSGD_hook`` and
+            ``model_averaging_period``).
         ddp_comm_wrapper: applied to the hook, e.g. ``default_hooks.fp16_compress_wrapper``.
+        model_averaging_period: post-local SGD: average the parameters over all ranks every
+            this many optimizer steps once local SGD has started, as ``DDPStrategy`` does.
+            Required with a ``PostLocalSGDState``, refused without one.
         static_graph: the graph is the same every step, as with ``DDPStrategy``: a layer may
             run in several reentrant checkpoint segments, and parameters the graph never uses
             need no ``find_unused_parameters``.
@@ -111,7 +116,8 @@ class BucketDDP(DDPStrategy):
 
     Raises:
         ValueError: a bucket size that is not positive, an unknown default policy, a hook
-            state or wrapper without a hook, or post-local SGD's state.
+            state or wrapper without a hook, or a ``model_averaging_period`` that is missing
+            with a ``PostLocalSGDState``, given without one, or not a positive integer.
     """
 
     def __init__(
@@ -128,6 +134,7 @@ class BucketDDP(DDPStrategy):
         ddp_comm_hook: Callable[..., Any] | None = None,
         ddp_comm_state: object | None = None,
         ddp_comm_wrapper: Callable[..., Any] | None = None,
+        model_averaging_period: int | None = None,
         static_graph: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[Any] | None = None,
@@ -140,6 +147,7 @@ class BucketDDP(DDPStrategy):
     ) -> None:
         check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
         self._comm_hook = _comm_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
+        _check_averaging(ddp_comm_state, model_averaging_period)
         if default_buffer_policy is not None:
             resolve_policies({}, default=default_buffer_policy)  # raises on a bad name
         # Set before DDPStrategy.__init__, which assigns ``_layer_sync`` (our property).
@@ -155,6 +163,10 @@ class BucketDDP(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            # DDPStrategy.setup() enables model averaging (post-local SGD) from these two;
+            # the hook itself is registered by ``configure_ddp`` below, on every accelerator.
+            ddp_comm_state=ddp_comm_state,
+            model_averaging_period=model_averaging_period,
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_mb=first_bucket_mb,
             find_unused_parameters=find_unused_parameters,
@@ -353,17 +365,8 @@ def _comm_hook(
     """``(state, hook)`` to register on the wrapper, the wrapper applied; None for no hook.
 
     Raises:
-        ValueError: a state or wrapper without a hook, or post-local SGD's state.
+        ValueError: a state or wrapper without a hook.
     """
-    if state is not None:
-        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
-
-        if isinstance(state, post_localSGD_hook.PostLocalSGDState):
-            raise ValueError(
-                "BucketDDP does not support post-local SGD (PostLocalSGDState: model "
-                'averaging); use strategy="ddp" for it, or a gradient hook such as '
-                "fp16_compress_hook"
-            )
     if hook is None:
         if state is not None or wrapper is not None:
             raise ValueError(
@@ -372,6 +375,28 @@ def _comm_hook(
             )
         return None
     return state, (wrapper(hook) if wrapper is not None else hook)
+
+
+def _check_averaging(state: object | None, period: int | None) -> None:
+    """Post-local SGD needs a model averaging period, and the period needs post-local SGD."""
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+
+    local_sgd = isinstance(state, PostLocalSGDState)
+    if local_sgd and period is None:
+        raise ValueError(
+            "ddp_comm_state is a PostLocalSGDState, so the ranks step on local gradients "
+            "after start_localSGD_iter; pass model_averaging_period=N to average the "
+            "parameters every N steps"
+        )
+    if period is not None and not local_sgd:
+        raise ValueError(
+            f"model_averaging_period={period} applies to post-local SGD only; pass "
+            "ddp_comm_state=PostLocalSGDState(...) and ddp_comm_hook=post_localSGD_hook"
+        )
+    if period is not None and (
+        isinstance(period, bool) or not isinstance(period, int) or period < 1
+    ):
+        raise ValueError(f"model_averaging_period must be a positive integer, got {period!r}")
 
 
 def _destroy_at_exit(group: dist.ProcessGroup | None) -> None:
