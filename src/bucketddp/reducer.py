@@ -227,9 +227,7 @@ class Reducer:
         ]
 
     def _hook_for(self, i: int) -> Callable[[int, torch.Tensor], None]:
-        if self.static_graph:
-            return self._on_static_ready
-        return self._on_sparse_ready if self._is_sparse[i] else self._on_grad_ready
+        return self._on_static_ready if self.static_graph else self._on_grad_ready
 
     def _plan(self, order: Sequence[str] | None = None) -> BucketPlan:
         """Plan the buckets of the dense parameters, in ``order`` if given."""
@@ -402,21 +400,19 @@ class Reducer:
         Variable._execution_engine.queue_callback(self._finalize)
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
-        if not self._mark_ready(i):
-            return
-        grad = param.grad
-        view = self._fill_slot(i, grad)
-        if self.gradient_as_bucket_view and grad is not view:
-            param.grad = view
-        bucket = self._bucket_of[i]
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready()
+        if self._mark_ready(i):
+            self._stage(i, param)
 
-    def _on_sparse_ready(self, i: int, param: torch.Tensor) -> None:
-        """A sparse gradient stays in ``.grad``; it is reduced just before the last bucket."""
-        if not self._mark_ready(i):
-            return
+    def _stage(self, i: int, param: torch.Tensor) -> None:
+        """Put parameter ``i``'s gradient in its bucket slot, then launch what is due.
+
+        A sparse gradient stays in ``.grad``: it is reduced just before the last bucket.
+        """
+        if not self._is_sparse[i]:
+            grad = param.grad
+            view = self._fill_slot(i, grad)
+            if self.gradient_as_bucket_view and grad is not view:
+                param.grad = view
         bucket = self._bucket_of[i]
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -447,10 +443,7 @@ class Reducer:
                 "graph every step. Pass static_graph=False (and use_reentrant=False to "
                 "torch.utils.checkpoint if a parameter is used in several segments)."
             )
-        if self._is_sparse[i]:
-            self._on_sparse_ready(i, param)
-        else:
-            self._on_grad_ready(i, param)
+        self._on_grad_ready(i, param)
 
     def _mark_ready(self, i: int) -> bool:
         """Record that parameter ``i`` got its gradient; returns whether to communicate."""
@@ -738,14 +731,8 @@ class Reducer:
         apart from the others until the end.
         """
         for i, p in enumerate(self._params):
-            if not self._ready[i]:
-                continue
-            if not self._is_sparse[i]:
-                grad = p.grad
-                view = self._fill_slot(i, grad)
-                if self.gradient_as_bucket_view and grad is not view:
-                    p.grad = view
-            self._bucket_of[i].pending -= 1
+            if self._ready[i]:
+                self._stage(i, p)
         self._expected_fires = list(self._fires)
 
     def _check_flags(
