@@ -54,6 +54,19 @@ class Boring(BoringModel):
     """Lightning's BoringModel; the scenarios run it with ``limit_val_batches=0``."""
 
 
+class RankLocalBias(Boring):
+    """``layer.bias`` is in torch DDP's ignore list and starts at a different value per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ddp_params_and_buffers_to_ignore = ["layer.bias"]
+
+    def setup(self, stage: str) -> None:
+        # Runs on every rank before the strategy wraps the module.
+        with torch.no_grad():
+            self.layer.bias.add_(self.global_rank)
+
+
 class _Tokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Synthetic next-token pairs for the demo Transformer (no WikiText download)."""
 

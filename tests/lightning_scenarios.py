@@ -38,6 +38,7 @@ from lightning_models import (
     GradNorms,
     Normed,
     Observe,
+    RankLocalBias,
     RecordingCheckpointIO,
     RegisterCommHook,
     SyncedBatches,
@@ -140,6 +141,10 @@ def swap(out: Path) -> dict[str, Any]:
         else:
             _, model = fit(BucketDDP(**options), Boring, max_steps=6)
         result[f"local_sgd/{label}"] = weights(model)
+    # A parameter in the module's _ddp_params_and_buffers_to_ignore stays rank-local.
+    for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
+        _, model = fit(strategy, RankLocalBias, max_steps=4)
+        result[f"ignored/{label}"] = weights(model)
     # A model compiled before fit: Lightning compiles its training_step, the strategy wraps.
     for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
         result[f"compiled/{label}"], result[f"compiled_graphs/{label}"] = _compiled(strategy)

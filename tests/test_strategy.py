@@ -286,6 +286,16 @@ def test_post_local_sgd_gives_the_weights_of_ddp(swap: list[dict[str, Any]]) -> 
     assert_same(swap[0]["local_sgd/bucket"], swap[1]["local_sgd/bucket"], tol=1e-6)
 
 
+def test_ignored_parameters_stay_rank_local_as_with_ddp(swap: list[dict[str, Any]]) -> None:
+    for rank in swap:
+        assert moved(rank["boring/init"], rank["ignored/bucket"])
+        assert_same(rank["ignored/ddp"], rank["ignored/bucket"], tol=1e-6)
+    # layer.bias started apart (setup adds the rank) and no rank's value reached the other.
+    r0, r1 = (rank["ignored/bucket"] for rank in swap)
+    assert not torch.allclose(r0["layer.bias"], r1["layer.bias"], atol=0.5)
+    assert torch.equal(r0["layer.weight"], r1["layer.weight"])
+
+
 def test_compiled_model_gives_the_weights_of_ddp(swap: list[dict[str, Any]]) -> None:
     for rank in swap:
         assert rank["compiled_graphs/bucket"] >= 1, "Lightning did not compile the model"

@@ -19,7 +19,7 @@ import fnmatch
 import logging
 import math
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -212,6 +212,8 @@ class BufferSync:
         process_group: the group to sync over; the default group if None.
         rules: the wrapper's or strategy's ``buffer_sync``.
         default: the policy of buffers no rule names.
+        ignored: buffer names to leave alone altogether, neither synced nor broadcast at
+            setup (the module's ``_ddp_params_and_buffers_to_ignore``, as torch DDP reads it).
 
     Attributes:
         policies: buffer name to policy, for every buffer of the module.
@@ -231,6 +233,7 @@ class BufferSync:
         process_group: dist.ProcessGroup | None = None,
         rules: Mapping[str, Policy] | None = None,
         default: Policy = "broadcast",
+        ignored: Collection[str] = (),
     ) -> None:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -244,7 +247,7 @@ class BufferSync:
         error: Exception | None = None
         policies: dict[str, Policy] = {}
         try:
-            policies = self._resolve(module, rules, default)
+            policies = self._resolve(module, rules, default, frozenset(ignored))
         except Exception as exc:  # reported to every rank by _agree
             error = exc
         self.policies = _agree(policies, error, process_group)
@@ -263,7 +266,11 @@ class BufferSync:
                 )
 
     def _resolve(
-        self, module: nn.Module, rules: Mapping[str, Policy] | None, default: Policy
+        self,
+        module: nn.Module,
+        rules: Mapping[str, Policy] | None,
+        default: Policy,
+        ignored: frozenset[str],
     ) -> dict[str, Policy]:
         dtypes: dict[str, torch.dtype] = {}
         module_defaults: dict[str, Policy] = {}
@@ -277,6 +284,8 @@ class BufferSync:
                     continue
                 seen.add(id(buf))
                 full = f"{mod_name}.{attr}" if mod_name else attr
+                if full in ignored:
+                    continue
                 self._owners[full] = (mod, attr)
                 dtypes[full] = buf.dtype
                 if own is not None:
@@ -288,6 +297,14 @@ class BufferSync:
                 f"configure_buffer_sync() returned a {type(module_rules).__name__}; "
                 "return a dict of buffer name or pattern to policy"
             )
+        for source, mapping in (("buffer_sync", rules), ("configure_buffer_sync()", module_rules)):
+            for key in mapping or {}:
+                if key in ignored:
+                    raise ValueError(
+                        f"{source} gives a policy to {key!r}, but the module's "
+                        "_ddp_params_and_buffers_to_ignore lists it, and an ignored buffer "
+                        "is never synced; remove it from one of the two"
+                    )
         policies = resolve_policies(
             dtypes,
             rules=rules,

@@ -169,7 +169,17 @@ def verify_same_model(
             )
 
 
+IGNORED_KIND = "ignored name"
+"""The kind of a signature entry that names a member of the module's ignore list."""
+
+
 def _first_difference(ref: list, other: list) -> str | None:
+    ignored = [[e[1] for e in sig if e[0] == IGNORED_KIND] for sig in (ref, other)]
+    if ignored[0] != ignored[1]:
+        return (
+            f"it ignores {ignored[1][:10]} where rank 0 ignores {ignored[0][:10]}; "
+            "_ddp_params_and_buffers_to_ignore must list the same names on every rank"
+        )
     for (kind, name, shape, dtype), theirs in zip(ref, other, strict=False):
         t_kind, t_name, t_shape, t_dtype = theirs
         if (kind, name) != (t_kind, t_name):

@@ -149,7 +149,7 @@ class BucketJoinHook(JoinHook):
         """Give every rank the parameters and broadcast buffers of a rank that joined last."""
         w = self.wrapper
         src = last_joiner(is_last_joiner, w.process_group, w.join_device)
-        tensors = [*w.module.parameters(), *w.buffers_sync.broadcast_buffers()]
+        tensors = [*(p for _, p in w._named_parameters()), *w.buffers_sync.broadcast_buffers()]
         with torch.no_grad():
             broadcast_coalesced(tensors, w.process_group, src=src)
         w._end_join()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import _structure
 from .buckets import BucketPlan, check_bucket_sizes
 from .buffers import BufferSync, Policy
-from .comm import broadcast_coalesced, verify_same_model
+from .comm import IGNORED_KIND, broadcast_coalesced, verify_same_model
 from .comm_hooks import CommHook
 from .join import BucketJoinHook, check_joinable, exchange_header, header
 from .reducer import CommStats, Reducer
@@ -104,20 +105,29 @@ class BucketDataParallel(nn.Module, Joinable):
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
 
-        verify_same_model(_signature(module), process_group)
+        self.parameters_to_ignore = ignored_names(module)
+        verify_same_model(_signature(module, self.parameters_to_ignore), process_group)
         # Policies are resolved before any broadcast, so a bad rule fails on every rank alike.
         self.buffers_sync = BufferSync(
-            module, process_group=process_group, rules=buffer_sync, default=default_buffer_policy
+            module,
+            process_group=process_group,
+            rules=buffer_sync,
+            default=default_buffer_policy,
+            ignored=self.parameters_to_ignore,
         )
         if dist.get_world_size(process_group) > 1:
             # Buffers a rule made rank-local keep each rank's value, as torch DDP does for
             # broadcast_buffers=False; everything else starts from rank 0.
             broadcast_coalesced(
-                [*module.parameters(), *self.buffers_sync.buffers_from_rank0()], process_group
+                [
+                    *(p for _, p in self._named_parameters()),
+                    *self.buffers_sync.buffers_from_rank0(),
+                ],
+                process_group,
             )
         self.buffers_sync.reset_baseline()
         self.reducer = Reducer(
-            list(module.named_parameters()),
+            self._named_parameters(),
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
             first_bucket_mb=first_bucket_mb,
@@ -241,7 +251,7 @@ class BucketDataParallel(nn.Module, Joinable):
     def _check_parameters(self) -> None:
         """Tell the reducer if the module's Parameter objects are no longer those it hooks."""
         self._registrations = _structure.registrations()
-        current = list(self.module.named_parameters())
+        current = self._named_parameters()
         known = {id(p) for p in self.reducer.all_params}
         now = {id(p) for _, p in current}
         added = [(n, p) for n, p in current if id(p) not in known]
@@ -251,6 +261,23 @@ class BucketDataParallel(nn.Module, Joinable):
             if id(p) not in now
         ]
         self.reducer.module_changed(added, removed)
+
+    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The module's parameters this wrapper synchronizes: all but the ignored ones."""
+        ignored = self.parameters_to_ignore
+        return [(n, p) for n, p in self.module.named_parameters() if n not in ignored]
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+        module: nn.Module, params_and_buffers_to_ignore: Collection[str]
+    ) -> None:
+        """Make a wrapper built later leave these parameters and buffers alone (torch DDP's API).
+
+        Sets ``module._ddp_params_and_buffers_to_ignore``, the attribute both this wrapper
+        and torch DDP read. Names are those of ``named_parameters()`` and
+        ``named_buffers()``; see "Ignored parameters and buffers" in ``docs/engine.md``.
+        """
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore  # type: ignore[assignment]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -388,12 +415,55 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
-def _signature(module: nn.Module) -> list[tuple[str, str, tuple[int, ...], str]]:
+def ignored_names(module: nn.Module) -> frozenset[str]:
+    """The names in ``module._ddp_params_and_buffers_to_ignore``, torch DDP's ignore list.
+
+    Warns about names that are neither a parameter nor a buffer of the module: they ignore
+    nothing, so what the user meant to keep rank-local would be synchronized.
+
+    Raises:
+        TypeError: the attribute is a single string rather than a collection of names.
+    """
+    names = getattr(module, "_ddp_params_and_buffers_to_ignore", None)
+    if names is None:
+        return frozenset()
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise TypeError(
+            f"_ddp_params_and_buffers_to_ignore is {names!r}; set it to a list of "
+            "parameter and buffer names, e.g. ['head.weight', 'bn.running_mean']"
+        )
+    ignored = frozenset(names)
+    known = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+    unknown = sorted(ignored - known)
+    if unknown:
+        warnings.warn(
+            f"_ddp_params_and_buffers_to_ignore lists {unknown[:10]}, which name no parameter "
+            "or buffer of the module, so they ignore nothing; use the names of "
+            "named_parameters() and named_buffers(), e.g. 'layer.0.weight'",
+            stacklevel=3,
+        )
+    return ignored
+
+
+def _signature(
+    module: nn.Module, ignored: frozenset[str]
+) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """What must agree across ranks: the synced parameters and buffers, and the ignore list.
+
+    Ignored parameters and buffers may differ between ranks (torch DDP skips them too), but
+    every rank must ignore the same names, or the ranks would plan different buckets.
+    """
     sig = [
         ("parameter" if p.requires_grad else "frozen parameter", n, tuple(p.shape), str(p.dtype))
         for n, p in module.named_parameters()
+        if n not in ignored
     ]
-    sig += [("buffer", n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+    sig += [
+        ("buffer", n, tuple(b.shape), str(b.dtype))
+        for n, b in module.named_buffers()
+        if n not in ignored
+    ]
+    sig += [(IGNORED_KIND, n, (), "") for n in sorted(ignored)]
     return sig
 
 

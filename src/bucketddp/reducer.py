@@ -147,7 +147,8 @@ class Reducer:
         if not trainable:
             raise ValueError(
                 "BucketDataParallel needs at least one parameter with requires_grad=True; "
-                "the module has none to reduce"
+                "the module has none to reduce (those in _ddp_params_and_buffers_to_ignore "
+                "do not count)"
             )
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
