@@ -130,10 +130,12 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
         "first_bucket_mb": 0.5,
         "find_unused_parameters": False,
         "gradient_as_bucket_view": False,
-        "broadcast_buffers": True,
+        "broadcast_buffers": None,
         "buffer_sync": {"*.running_*": "mean"},
         "default_buffer_policy": "none",
         "static_graph": True,
+        "init_sync": True,
+        "forward_sync_buffers": None,
     }
     assert s.process_group_backend == "gloo"
     assert s._timeout == timedelta(seconds=30)
@@ -141,6 +143,10 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
         BucketDDP(bucket_cap_mb=0)
     with pytest.raises(ValueError, match="unknown buffer policy 'avg'"):
         BucketDDP(default_buffer_policy="avg")
+    with pytest.raises(ValueError, match="broadcast_buffers=True contradicts forward_sync_"):
+        BucketDDP(broadcast_buffers=True, forward_sync_buffers=False)
+    with pytest.raises(ValueError, match="forward_sync_buffers=False contradicts default_buf"):
+        BucketDDP(forward_sync_buffers=False, default_buffer_policy="mean")
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
 
     with pytest.raises(ValueError, match="ddp_comm_wrapper apply to a ddp_comm_hook"):

@@ -214,6 +214,9 @@ class BufferSync:
         default: the policy of buffers no rule names.
         ignored: buffer names to leave alone altogether, neither synced nor broadcast at
             setup (the module's ``_ddp_params_and_buffers_to_ignore``, as torch DDP reads it).
+        default_is_rank_local: whether a ``"none"`` that comes from ``default`` makes a
+            buffer rank-local (True), or leaves it starting from rank 0's value (False, for
+            torch DDP's ``forward_sync_buffers=False``).
 
     Attributes:
         policies: buffer name to policy, for every buffer of the module.
@@ -234,8 +237,10 @@ class BufferSync:
         rules: Mapping[str, Policy] | None = None,
         default: Policy = "broadcast",
         ignored: Collection[str] = (),
+        default_is_rank_local: bool = True,
     ) -> None:
         self.process_group = process_group
+        self._default_is_rank_local = default_is_rank_local
         self.world_size = dist.get_world_size(process_group)
         # Buffers are looked up through their owning module at every sync, so a buffer the
         # module reassigns (``self.n = self.n + 1``) is still the one that gets synced.
@@ -319,7 +324,11 @@ class BufferSync:
         self.rank_local = {
             n
             for n, p in policies.items()
-            if p == "none" and (n not in module_defaults or _lookup(n, layers) is not None)
+            if p == "none"
+            and (
+                _lookup(n, layers) is not None
+                or (n not in module_defaults and self._default_is_rank_local)
+            )
         }
         return policies
 

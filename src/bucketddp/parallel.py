@@ -43,8 +43,9 @@ class BucketDataParallel(nn.Module, Joinable):
             flow, frozen branches). Without it such a step raises an error naming them.
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket, saving
             a copy and the memory of a second gradient buffer.
-        broadcast_buffers: torch DDP's switch; False is the same as
-            ``default_buffer_policy="none"``.
+        broadcast_buffers: torch DDP's switch (True if None); False is the same as
+            ``default_buffer_policy="none"``, buffers keeping each rank's value from the
+            start.
         buffer_sync: a policy per buffer name or fnmatch pattern (see ``docs/buffers.md``).
         default_buffer_policy: the policy of buffers no rule names.
         device_ids: torch DDP's argument, for a module on one accelerator: ``[local_rank]``
@@ -57,11 +58,20 @@ class BucketDataParallel(nn.Module, Joinable):
             checkpoint segments), and parameters the graph never uses are allowed without
             ``find_unused_parameters``. The first synced backward counts the gradients and
             reduces at its end, without overlap.
+        init_sync: broadcast parameters and buffers from rank 0 at wrapping (torch DDP's
+            argument). False keeps each rank's values; the models are still checked to
+            match.
+        forward_sync_buffers: torch DDP 2.13's successor of ``broadcast_buffers``: False
+            stops syncing buffers before each forward, but they still start from rank 0.
+        device_mesh: a one-dimensional ``DeviceMesh`` to reduce over, instead of
+            ``process_group``.
 
     Raises:
         RuntimeError: when no process group is initialized, or the ranks' models differ.
-        ValueError: on bad bucket sizes or buffer policies, or ``device_ids`` and
-            ``output_device`` that do not name the module's one accelerator.
+        ValueError: on bad bucket sizes or buffer policies, buffer options that
+            contradict each other, ``device_ids`` and ``output_device`` that do not name the
+            module's one accelerator, or a ``device_mesh`` given with a ``process_group`` or
+            with more than one dimension.
     """
 
     def __init__(
@@ -73,12 +83,15 @@ class BucketDataParallel(nn.Module, Joinable):
         first_bucket_mb: float = 1.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         buffer_sync: Mapping[str, Policy] | None = None,
         default_buffer_policy: Policy | None = None,
         device_ids: Sequence[int | str | torch.device] | None = None,
         output_device: int | str | torch.device | None = None,
         static_graph: bool = False,
+        init_sync: bool = True,
+        forward_sync_buffers: bool | None = None,
+        device_mesh: Any = None,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -92,13 +105,12 @@ class BucketDataParallel(nn.Module, Joinable):
                 "torch.distributed.init_process_group() before wrapping the model"
             )
         check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
-        if default_buffer_policy is None:
-            default_buffer_policy = "broadcast" if broadcast_buffers else "none"
-        elif not broadcast_buffers and default_buffer_policy != "none":
-            raise ValueError(
-                f"broadcast_buffers=False contradicts default_buffer_policy="
-                f"{default_buffer_policy!r}; pass only one of them"
-            )
+        default_buffer_policy = buffer_default(
+            broadcast_buffers, forward_sync_buffers, default_buffer_policy
+        )
+        if device_mesh is not None:
+            process_group = mesh_group(device_mesh, process_group)
+        self.device_mesh = device_mesh
         self.module = module
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
@@ -114,8 +126,10 @@ class BucketDataParallel(nn.Module, Joinable):
             rules=buffer_sync,
             default=default_buffer_policy,
             ignored=self.parameters_to_ignore,
+            # torch DDP's forward_sync_buffers=False still starts every buffer from rank 0.
+            default_is_rank_local=forward_sync_buffers is None,
         )
-        if dist.get_world_size(process_group) > 1:
+        if init_sync and dist.get_world_size(process_group) > 1:
             # Buffers a rule made rank-local keep each rank's value, as torch DDP does for
             # broadcast_buffers=False; everything else starts from rank 0.
             broadcast_coalesced(
@@ -326,6 +340,64 @@ class BucketDataParallel(nn.Module, Joinable):
         """Detach the reducer's and the buffer sync's hooks, leaving ``.module`` plain."""
         self.reducer.remove()
         self.buffers_sync.remove()
+
+
+def buffer_default(
+    broadcast_buffers: bool | None,
+    forward_sync_buffers: bool | None,
+    default_buffer_policy: Policy | None,
+) -> Policy:
+    """The policy of buffers no rule names, from the wrapper's three buffer options.
+
+    ``broadcast_buffers`` and ``forward_sync_buffers`` are torch DDP's switches (the second
+    replaces the first in torch 2.13); False means ``"none"``, None means not given.
+
+    Raises:
+        ValueError: the options contradict each other, naming them.
+    """
+    given = {
+        name: value
+        for name, value in (
+            ("broadcast_buffers", broadcast_buffers),
+            ("forward_sync_buffers", forward_sync_buffers),
+        )
+        if value is not None
+    }
+    if len(set(given.values())) > 1:
+        raise ValueError(
+            f"broadcast_buffers={broadcast_buffers} contradicts forward_sync_buffers="
+            f"{forward_sync_buffers}; pass only forward_sync_buffers (torch 2.13's name)"
+        )
+    if default_buffer_policy is None:
+        return "none" if False in given.values() else "broadcast"
+    if False in given.values() and default_buffer_policy != "none":
+        name = next(n for n, v in given.items() if v is False)
+        raise ValueError(
+            f"{name}=False contradicts default_buffer_policy={default_buffer_policy!r}; "
+            "pass only one of them"
+        )
+    return default_buffer_policy
+
+
+def mesh_group(device_mesh: Any, process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The process group of a one-dimensional ``DeviceMesh`` (torch DDP's ``device_mesh``).
+
+    Raises:
+        ValueError: a ``process_group`` was given too, or the mesh has several dimensions.
+    """
+    if process_group is not None:
+        raise ValueError(
+            "pass either process_group or device_mesh, not both: the mesh already names "
+            "the group to reduce over"
+        )
+    if device_mesh.ndim != 1:
+        names = getattr(device_mesh, "mesh_dim_names", None)
+        raise ValueError(
+            f"device_mesh has {device_mesh.ndim} dimensions {names or ''}; pass the "
+            "one-dimensional data-parallel part of it, e.g. device_mesh['dp']"
+        )
+    group: dist.ProcessGroup = device_mesh.get_group(0)
+    return group
 
 
 def input_device(

@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from .buckets import check_bucket_sizes
 from .buffers import Policy, resolve_policies
-from .parallel import BucketDataParallel
+from .parallel import BucketDataParallel, buffer_default
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
@@ -92,7 +92,8 @@ class BucketDDP(DDPStrategy):
         first_bucket_mb: the cap of the first bucket, small so communication starts early.
         find_unused_parameters: allow parameters that get no gradient in a step.
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket.
-        broadcast_buffers: torch DDP's switch; False means ``default_buffer_policy="none"``.
+        broadcast_buffers: torch DDP's switch (True if None); False means
+            ``default_buffer_policy="none"``, buffers keeping each rank's value.
         buffer_sync: a policy per buffer name or fnmatch pattern; overrides the module's
             ``configure_buffer_sync()`` for the same key.
         default_buffer_policy: the policy of buffers no rule names ("broadcast" if None).
@@ -111,11 +112,16 @@ class BucketDDP(DDPStrategy):
         static_graph: the graph is the same every step, as with ``DDPStrategy``: a layer may
             run in several reentrant checkpoint segments, and parameters the graph never uses
             need no ``find_unused_parameters``.
+        init_sync: broadcast parameters and buffers from rank 0 when the module is wrapped
+            (torch DDP's argument; Lightning's ``DDPStrategy`` passes it through).
+        forward_sync_buffers: torch 2.13's successor of ``broadcast_buffers``: False stops
+            the buffer sync before each forward, but buffers still start from rank 0.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
 
     Raises:
-        ValueError: a bucket size that is not positive, an unknown default policy, a hook
+        ValueError: a bucket size that is not positive, an unknown default policy, buffer
+            options that contradict each other, a hook
             state or wrapper without a hook, or a ``model_averaging_period`` that is missing
             with a ``PostLocalSGDState``, given without one, or not a positive integer.
     """
@@ -127,7 +133,7 @@ class BucketDDP(DDPStrategy):
         first_bucket_mb: float = 1.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         buffer_sync: Mapping[str, Policy] | None = None,
         default_buffer_policy: Policy | None = None,
         sync_batchnorm: bool = False,
@@ -136,6 +142,8 @@ class BucketDDP(DDPStrategy):
         ddp_comm_wrapper: Callable[..., Any] | None = None,
         model_averaging_period: int | None = None,
         static_graph: bool = False,
+        init_sync: bool = True,
+        forward_sync_buffers: bool | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[Any] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -148,8 +156,11 @@ class BucketDDP(DDPStrategy):
         check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
         self._comm_hook = _comm_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         _check_averaging(ddp_comm_state, model_averaging_period)
-        if default_buffer_policy is not None:
-            resolve_policies({}, default=default_buffer_policy)  # raises on a bad name
+        # Raises on contradicting buffer options or an unknown policy name.
+        resolve_policies(
+            {},
+            default=buffer_default(broadcast_buffers, forward_sync_buffers, default_buffer_policy),
+        )
         # Set before DDPStrategy.__init__, which assigns ``_layer_sync`` (our property).
         self._sync_batchnorm = sync_batchnorm
         # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``; ours are
@@ -175,6 +186,8 @@ class BucketDDP(DDPStrategy):
             buffer_sync=dict(buffer_sync) if buffer_sync is not None else None,
             default_buffer_policy=default_buffer_policy,
             static_graph=static_graph,
+            init_sync=init_sync,
+            forward_sync_buffers=forward_sync_buffers,
         )
         # The order from a loaded checkpoint, until the wrapper adopts it.
         self._saved_bucket_order: list[str] | None = None

@@ -1,0 +1,100 @@
+"""torch DDP's init_sync, forward_sync_buffers and device_mesh, against torch DDP on gloo."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bucketddp import BucketDataParallel
+from bucketddp.parallel import buffer_default
+from models import assert_weights, train
+from multirank import raised, run_ranks
+
+# Options torch DDP and bucketddp both take, with what they do to a conv net whose
+# parameters and BatchNorm statistics start from rank-dependent values.
+CASES: dict[str, dict[str, Any]] = {
+    "init_sync_off": {"init_sync": False},
+    "forward_sync_off": {"forward_sync_buffers": False},
+    "forward_sync_on": {"forward_sync_buffers": True},
+    "both_off": {"init_sync": False, "forward_sync_buffers": False},
+}
+
+
+def _apart(rank: int, wrapper: Callable[..., nn.Module], opts: dict[str, Any]) -> Any:
+    def wrap(model: nn.Module) -> nn.Module:
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                if t.is_floating_point():
+                    t.add_(0.1 * rank)
+        return wrapper(model, **opts)
+
+    return wrap
+
+
+def _against_ddp(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    ours = train("conv", _apart(rank, BucketDataParallel, opts), rank)
+    theirs = train("conv", _apart(rank, DDP, opts), rank)
+    return {k: (ours[k], theirs[k]) for k in ("params", "buffers")}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_sync_options_give_the_weights_and_buffers_of_torch_ddp(case: str) -> None:
+    opts = CASES[case]
+    results = run_ranks(_against_ddp, 2, opts, timeout=90)
+    for rank, r in enumerate(results):
+        for ours, theirs in r.values():
+            assert_weights(ours, theirs, rank)
+    params = [r["params"][0] for r in results]
+    # init_sync=False keeps each rank's parameters (and the averaged steps keep them apart).
+    apart = not torch.allclose(params[0]["head.weight"], params[1]["head.weight"], atol=0.05)
+    assert apart == (opts.get("init_sync") is False)
+
+
+def _mesh(rank: int, world: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,))
+    ours = train("mlp", lambda m: BucketDataParallel(m, device_mesh=mesh), rank)
+    theirs = train("mlp", lambda m: DDP(m, device_mesh=mesh), rank)
+    flat = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
+    return {
+        "ours": ours["params"],
+        "theirs": theirs["params"],
+        "same_group": ours["wrapped"].process_group is mesh.get_group(0),
+        "both": raised(
+            lambda: BucketDataParallel(
+                nn.Linear(2, 2), device_mesh=mesh, process_group=mesh.get_group(0)
+            ),
+            ValueError,
+        ),
+        "2d": raised(lambda: BucketDataParallel(nn.Linear(2, 2), device_mesh=flat), ValueError),
+        "dp_slice": BucketDataParallel(nn.Linear(2, 2), device_mesh=flat["dp"]).process_group
+        is flat["dp"].get_group(0),
+    }
+
+
+def test_device_mesh_reduces_over_its_group_as_torch_ddp_does() -> None:
+    for rank, r in enumerate(run_ranks(_mesh, 2, timeout=90)):
+        assert_weights(r["ours"], r["theirs"], rank)
+        assert r["same_group"] and r["dp_slice"]
+        assert "either process_group or device_mesh, not both" in r["both"]
+        assert "device_mesh has 2 dimensions ('pp', 'dp')" in r["2d"]
+        assert "device_mesh['dp']" in r["2d"]
+
+
+def test_buffer_options_agree_or_raise() -> None:
+    assert buffer_default(None, None, None) == "broadcast"
+    assert buffer_default(False, None, None) == "none"
+    assert buffer_default(None, False, None) == "none"
+    assert buffer_default(True, True, "mean") == "mean"
+    assert buffer_default(None, False, "none") == "none"
+    with pytest.raises(ValueError, match="broadcast_buffers=False contradicts forward_sync_"):
+        buffer_default(False, True, None)
+    with pytest.raises(ValueError, match="forward_sync_buffers=False contradicts default_buf"):
+        buffer_default(None, False, "max")
+    with pytest.raises(ValueError, match="broadcast_buffers=False contradicts default_buffer"):
+        buffer_default(False, None, "broadcast")
