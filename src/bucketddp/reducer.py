@@ -169,6 +169,7 @@ class Reducer:
         self._cap_bytes = int(bucket_cap_mb * MB)
         self._first_cap_bytes = int(first_bucket_mb * MB)
         self._queued = False
+        self._outside_touched = False  # a parameter outside the plan got a gradient
         self._handles: list[RemovableHandle] = []
         # Hooks on parameters outside the plan that a rank saw become trainable: they only
         # make sure the end-of-backward callback runs, where the ranks agree what to do.
@@ -379,6 +380,7 @@ class Reducer:
         ]
 
     def _on_outside_grad(self, param: torch.Tensor) -> None:
+        self._outside_touched = True
         if not self._queued:
             self._queue_finalize()
 
@@ -625,7 +627,7 @@ class Reducer:
     def _finalize(self) -> None:
         """Runs once at the end of each backward pass that touched a parameter."""
         self._queued = False
-        if not self.sync_enabled:
+        if not self.sync_enabled or not self._touched():
             self._reset_step()
             return
         try:
@@ -645,6 +647,17 @@ class Reducer:
             )
         elif self._observed is not None:
             self._rebuild_from_observed()
+
+    def _touched(self) -> bool:
+        """Whether a parameter of the module got a gradient in this backward pass.
+
+        None did in ``torch.autograd.grad`` (a gradient penalty's, say), which accumulates
+        nothing into ``.grad``: there is nothing to reduce, as with torch DDP. The output
+        hooks queue the callback all the same; it then does nothing.
+        """
+        return (
+            self._n_ready > 0 or self._outside_touched or (self.static_graph and any(self._fires))
+        )
 
     def _check_local(self) -> tuple[str | None, list[int]]:
         """World size 1: nothing to reduce, only the unused-parameter contract to keep."""
@@ -941,6 +954,7 @@ class Reducer:
             self._fires = [0] * n
         self._sparse_sent = []
         self._sparse_works = []
+        self._outside_touched = False
         for bucket in self._buckets:
             bucket.pending = bucket.expected
 
