@@ -15,6 +15,7 @@ Precedence, highest first:
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import math
@@ -404,6 +405,14 @@ class BufferSync:
         """
         if self.world_size == 1:
             return 0
+        # Hide the writes from autograd, as torch DDP does: a forward whose backward is still
+        # to come may have saved a buffer (BatchNorm saves its running statistics), and a
+        # second forward before that backward (two inputs through one model, an evaluation
+        # forward) syncs the buffers again. The backward then runs on the synced values.
+        with _preserve_versions(self._synced):
+            return self._sync_groups(src, ranks, contribute)
+
+    def _sync_groups(self, src: int, ranks: int | None, contribute: bool) -> int:
         count = 0
         for i, group in enumerate(self.groups):
             policy = group.policy
@@ -424,6 +433,11 @@ class BufferSync:
                     identity=None if contribute else _identity(policy, tensors[0].dtype),
                 )
         return count
+
+    @property
+    def _synced(self) -> tuple[torch.Tensor, ...]:
+        """Every buffer a sync may write."""
+        return tuple(self._get(n) for g in self.groups for n in g.names)
 
     def broadcast_buffers(self) -> list[torch.Tensor]:
         """The buffers whose policy is ``"broadcast"``."""
@@ -468,6 +482,18 @@ class BufferSync:
         if base.device != t.device or base.dtype != t.dtype:  # the module moved
             base = self._baseline[name] = base.to(device=t.device, dtype=t.dtype)
         return base
+
+
+def _preserve_versions(tensors: tuple[torch.Tensor, ...]) -> contextlib.AbstractContextManager[Any]:
+    """A context that restores the tensors' autograd version counters when it exits."""
+    preserve = torch.autograd.grad_mode._unsafe_preserve_version_counter
+    try:
+        return preserve(tensors)
+    except (AttributeError, AssertionError, TypeError):  # torch < 2.5 takes one tensor
+        stack = contextlib.ExitStack()
+        for t in tensors:
+            stack.enter_context(preserve(t))
+        return stack
 
 
 def _identity(policy: str, dtype: torch.dtype) -> float:

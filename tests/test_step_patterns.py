@@ -1,0 +1,141 @@
+"""Training steps beyond one forward and one backward, against torch DDP and one process.
+
+- ``torch.autograd.grad`` inside a step (gradient penalties) accumulates nothing into
+  ``.grad``, so it must not end a step. Before, the wrapper took it for a backward pass
+  in which no parameter got a gradient.
+- A second forward before the backward (two inputs through one model, an evaluation
+  forward in between) syncs the buffers again; BatchNorm saved them for its backward.
+- A backward per loss through one forward (``retain_graph=True``) reduces each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from bucketddp import BucketDataParallel
+from models import assert_weights, batch, build
+from multirank import run_ranks
+
+STEPS = 3
+
+
+def _step(model: nn.Module, name: str, index: int, rank: int, pattern: str, scale: float) -> bool:
+    """One micro-step of ``pattern`` on rank ``rank``'s data, its losses times ``scale``.
+
+    Returns whether the ``.grad`` of every parameter was left as it was until the final
+    ``backward()`` (what ``torch.autograd.grad`` and extra forwards must do).
+    """
+    x, y = batch(name, index, rank)
+    x2, y2 = batch(name, index + 100, rank)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    if pattern in ("input_penalty", "parameter_penalty"):
+        x = x.clone().requires_grad_(True)
+        out = model(x)
+        inputs = [x] if pattern == "input_penalty" else params
+        grads = torch.autograd.grad(out.sum(), inputs, create_graph=True)
+        loss = F.mse_loss(out, y) + 0.1 * sum(g.pow(2).sum() for g in grads)
+    elif pattern == "two_forwards":
+        loss = F.mse_loss(model(x), y) + F.mse_loss(model(x2), y2)
+    elif pattern == "eval_forward":
+        out = model(x)
+        model.train(False)
+        with torch.no_grad():
+            model(x2)
+        model.train(True)
+        loss = F.mse_loss(out, y)
+    else:  # two_backwards
+        out = model(x)
+        (F.mse_loss(out, y) * scale).backward(retain_graph=True)
+        loss = F.mse_loss(out, y2)
+    after = [None if p.grad is None else p.grad.clone() for p in params]
+    (loss * scale).backward()
+    if pattern == "two_backwards":
+        return True
+    return all(
+        (a is None and b is None) or (a is not None and b is not None and a.equal(b))
+        for a, b in zip(before, after, strict=True)
+    )
+
+
+def _train(
+    rank: int, wrap: Callable[[nn.Module], nn.Module], name: str, pattern: str, accumulate: int
+) -> tuple[dict[str, torch.Tensor], bool]:
+    net = build(name)
+    model = wrap(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    untouched = True
+    for step in range(STEPS):
+        for micro in range(accumulate):
+            last = micro == accumulate - 1
+            with contextlib.nullcontext() if last else model.no_sync():  # type: ignore[operator]
+                untouched &= _step(model, name, step * accumulate + micro, rank, pattern, 1.0)
+        opt.step()
+        opt.zero_grad()
+    state = {n: t.detach().clone() for n, t in [*net.named_parameters(), *net.named_buffers()]}
+    return state, untouched
+
+
+def _global(world: int, name: str, pattern: str, accumulate: int) -> dict[str, torch.Tensor]:
+    """One process: each step on the global batch, the per-rank losses averaged."""
+    net = build(name)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        for micro in range(accumulate):
+            for r in range(world):
+                _step(net, name, step * accumulate + micro, r, pattern, 1 / world)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in net.named_parameters()}
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "input_penalty": {},
+    "parameter_penalty": {},
+    "input_penalty_unused_allowed": {"opts": {"find_unused_parameters": True}},
+    "input_penalty_tiny_buckets": {
+        "opts": {"bucket_cap_mb": 0.002},
+        "ours": {"first_bucket_mb": 0.0005},
+    },
+    "input_penalty_no_sync": {"accumulate": 2},
+    "two_forwards": {"name": "conv"},
+    "two_forwards_mlp_tiny_buckets": {"name": "mlp", "opts": {"bucket_cap_mb": 0.002}},
+    "eval_forward": {"name": "conv"},
+    # torch DDP reduces only the first of the two backward passes (its hooks are spent),
+    # leaving the second loss's gradient local: the ground truth is one process.
+    "two_backwards": {"name": "conv", "ddp": False},
+}
+
+
+def _both(rank: int, world: int, case: str) -> tuple[Any, Any]:
+    spec, pattern = CASES[case], _pattern(case)
+    name, acc, opts = spec.get("name", "mlp"), spec.get("accumulate", 1), spec.get("opts", {})
+    ours_opts = {**opts, **spec.get("ours", {})}
+    ours = _train(rank, lambda m: BucketDataParallel(m, **ours_opts), name, pattern, acc)
+    theirs = _train(rank, lambda m: DDP(m, **opts), name, pattern, acc)
+    return ours, theirs
+
+
+def _pattern(case: str) -> str:
+    for suffix in ("_mlp_tiny_buckets", "_unused_allowed", "_tiny_buckets", "_no_sync"):
+        case = case.removesuffix(suffix)
+    return case
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_step_pattern_gives_the_weights_of_torch_ddp_and_the_global_batch(case: str) -> None:
+    spec = CASES[case]
+    want = _global(2, spec.get("name", "mlp"), _pattern(case), spec.get("accumulate", 1))
+    for rank, ((ours, untouched), (theirs, _)) in enumerate(run_ranks(_both, 2, case, timeout=90)):
+        assert_weights(ours, want, rank)
+        if spec.get("ddp", True):
+            assert_weights(ours, theirs, rank)  # buffers included
+        assert untouched, f"a gradient changed before backward() on rank {rank}"
