@@ -139,3 +139,42 @@ def test_step_pattern_gives_the_weights_of_torch_ddp_and_the_global_batch(case: 
         if spec.get("ddp", True):
             assert_weights(ours, theirs, rank)  # buffers included
         assert untouched, f"a gradient changed before backward() on rank {rank}"
+
+
+def _wgan_gp(rank: int, wrap: Callable[[nn.Module], nn.Module], freeze: bool) -> dict[str, Any]:
+    """WGAN-GP with the generator and the critic each wrapped, Adam, a few steps."""
+    torch.manual_seed(0)
+    gen_net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 6))
+    critic_net = nn.Sequential(nn.Linear(6, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    gen, critic = wrap(gen_net), wrap(critic_net)
+    opt_g = torch.optim.Adam(gen_net.parameters(), lr=1e-3)
+    opt_c = torch.optim.Adam(critic_net.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        real, z = torch.randn(8, 6, generator=data), torch.randn(8, 4, generator=data)
+        fake = gen(z).detach()
+        eps = torch.rand(8, 1, generator=data)
+        mix = (eps * real + (1 - eps) * fake).requires_grad_(True)
+        (grad,) = torch.autograd.grad(critic(mix).sum(), mix, create_graph=True)
+        penalty = ((grad.norm(dim=1) - 1) ** 2).mean()
+        opt_c.zero_grad()
+        (critic(fake).mean() - critic(real).mean() + 10 * penalty).backward()
+        opt_c.step()
+        # The generator's backward also reaches the critic, unless it is frozen meanwhile.
+        critic_net.requires_grad_(not freeze)
+        opt_g.zero_grad()
+        (-critic(gen(torch.randn(8, 4, generator=data))).mean()).backward()
+        opt_g.step()
+        critic_net.requires_grad_(True)
+    named = [*gen_net.named_parameters("gen"), *critic_net.named_parameters("critic")]
+    return {n: p.detach().clone() for n, p in named}
+
+
+def _wgan_both(rank: int, world: int, freeze: bool) -> tuple[Any, Any]:
+    return _wgan_gp(rank, BucketDataParallel, freeze), _wgan_gp(rank, DDP, freeze)
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_wgan_gp_with_two_wrappers_gives_the_weights_of_torch_ddp(freeze: bool) -> None:
+    for rank, (ours, theirs) in enumerate(run_ranks(_wgan_both, 2, freeze, timeout=90)):
+        assert_weights(ours, theirs, rank)
