@@ -333,6 +333,21 @@ class BufferSync:
         }
         return policies
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (copy.deepcopy, pickling) of a wrapper on the default process group: the
+        # group, the load hooks on the original module and the packing buffers stay behind.
+        state = self.__dict__.copy()
+        for key in ("process_group", "_hooks", "_packed"):
+            del state[key]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.process_group = None
+        self._hooks = []
+        self._packed = {}
+        self._watch_loads()
+
     def _get(self, name: str) -> torch.Tensor:
         mod, attr = self._owners[name]
         return mod._buffers[attr]  # type: ignore[return-value]
@@ -515,10 +530,19 @@ class _LoadWatcher:
     those, so a partial load keeps the unsynced additions of the buffers it left alone.
     """
 
-    def __init__(self, sync: BufferSync, members: list[tuple[str, str]]) -> None:
-        self._sync = weakref.ref(sync)  # the module must not keep a dropped wrapper alive
+    def __init__(self, sync: BufferSync | None, members: list[tuple[str, str]]) -> None:
+        # A weak reference: the module must not keep a dropped wrapper alive.
+        self._sync: Callable[[], BufferSync | None] = (
+            weakref.ref(sync) if sync is not None else _nothing
+        )
         self._members = members
         self._loaded: list[str] = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy of the module (copy.deepcopy, pickling) gets an inert watcher: loading into
+        # the copy must not reset the original's baselines. A wrapper built on the copy, or
+        # a copy of the wrapper, registers watchers of its own.
+        return (_LoadWatcher, (None, []))
 
     def before(
         self, _module: nn.Module, state_dict: Mapping[str, Any], prefix: str, *_: Any
@@ -530,6 +554,10 @@ class _LoadWatcher:
         if sync is not None and self._loaded:
             sync.reset_baseline(self._loaded)
         self._loaded = []
+
+
+def _nothing() -> None:
+    return None
 
 
 def _register_load_pre_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:

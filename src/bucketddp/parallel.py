@@ -140,16 +140,15 @@ class BucketDataParallel(nn.Module, Joinable):
                 process_group,
             )
         self.buffers_sync.reset_baseline()
-        self.reducer = Reducer(
-            self._named_parameters(),
-            process_group=process_group,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_mb=first_bucket_mb,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            sparse_names=_sparse_parameters(module),
-            static_graph=static_graph,
-        )
+        # Kept for a copy of the wrapper (``__setstate__``), which builds a reducer of its own.
+        self._reducer_options: dict[str, Any] = {
+            "bucket_cap_mb": bucket_cap_mb,
+            "first_bucket_mb": first_bucket_mb,
+            "find_unused_parameters": find_unused_parameters,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "static_graph": static_graph,
+        }
+        self.reducer = self._new_reducer()
         # torch DDP's rule: buffers are synced before a forward that follows a synced,
         # grad-enabled forward (and before the very first one).
         self._sync_buffers_next = True
@@ -275,6 +274,45 @@ class BucketDataParallel(nn.Module, Joinable):
             if id(p) not in now
         ]
         self.reducer.module_changed(added, removed)
+
+    def _new_reducer(self) -> Reducer:
+        return Reducer(
+            self._named_parameters(),
+            process_group=self.process_group,
+            sparse_names=_sparse_parameters(self.module),
+            **self._reducer_options,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and pickling take: all but the reducer (torch DDP's rule).
+
+        Only a wrapper on the default process group can be copied. The copy builds a
+        reducer of its own, with the learned bucket order and without a communication hook,
+        and communicates nothing while being built.
+        """
+        if self.process_group is not None:
+            raise RuntimeError(
+                "a BucketDataParallel on its own process group (or device_mesh) cannot be "
+                "copied or pickled, as with torch DDP: only the default group can be found "
+                "again in the copy. Copy model.module instead and wrap the copy."
+            )
+        state = self.__dict__.copy()
+        del state["reducer"]
+        state["_bucket_order"] = self.reducer.learned_order
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild the reducer of a copy (``copy.deepcopy``, ``torch.load``)."""
+        order = state.pop("_bucket_order", None)
+        super().__setstate__(state)
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "loading a pickled BucketDataParallel needs the default process group: call "
+                "torch.distributed.init_process_group() first, or save model.module instead"
+            )
+        self.reducer = self._new_reducer()
+        if order is not None:
+            self.reducer.load_order(order)
 
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters this wrapper synchronizes: all but the ignored ones."""
