@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from bucketddp import BucketDataParallel
 from bucketddp.parallel import input_device, to_device
 from models import batch, build, train, train_global
-from multirank import RankError, run_ranks
+from multirank import RankError, raised, run_ranks
 
 TINY = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005}  # ~500 and ~130 floats
 
@@ -432,6 +432,19 @@ def test_bad_bucket_size_is_rejected() -> None:
 
 def _bad_cap(rank: int, world: int) -> None:
     BucketDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=0)
+
+
+def _lazy(rank: int, world: int) -> str:
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.LazyBatchNorm1d())
+    return raised(lambda: BucketDataParallel(lazy))
+
+
+def test_lazy_modules_are_refused_naming_what_to_do() -> None:
+    # torch DDP refuses them too; before, bucketddp raised torch's message about
+    # load_state_dict, which did not apply.
+    for said in run_ranks(_lazy, 2, timeout=30):
+        assert "['0.weight', '0.bias', '1.weight', '1.bias', '1.running_mean'" in said
+        assert "run one forward pass on a batch first" in said
 
 
 def _device_ids_on_cpu(rank: int, world: int) -> dict[str, str]:

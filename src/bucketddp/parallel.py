@@ -105,6 +105,7 @@ class BucketDataParallel(nn.Module, Joinable):
                 "torch.distributed.init_process_group() before wrapping the model"
             )
         check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
+        check_initialized(module)
         default_buffer_policy = buffer_default(
             broadcast_buffers, forward_sync_buffers, default_buffer_policy
         )
@@ -378,6 +379,28 @@ class BucketDataParallel(nn.Module, Joinable):
         """Detach the reducer's and the buffer sync's hooks, leaving ``.module`` plain."""
         self.reducer.remove()
         self.buffers_sync.remove()
+
+
+def check_initialized(module: nn.Module) -> None:
+    """Raise if ``module`` still has lazy parameters or buffers (``nn.LazyLinear`` and kin).
+
+    Their shapes are not known before the first forward, so there is nothing yet to check
+    across ranks, broadcast or bucket.
+
+    Raises:
+        RuntimeError: naming them and what to do.
+    """
+    lazy = [
+        n
+        for n, t in [*module.named_parameters(), *module.named_buffers()]
+        if nn.parameter.is_lazy(t)
+    ]
+    if lazy:
+        raise RuntimeError(
+            f"the module's parameters or buffers {lazy[:10]} are not initialized yet (a lazy "
+            "module such as nn.LazyLinear): run one forward pass on a batch first, so that "
+            "they get their shapes, then wrap the module"
+        )
 
 
 def buffer_default(
