@@ -160,9 +160,15 @@ class SparseOnly(nn.Module):
         return self.bag(x)
 
 
+def _channels_last() -> nn.Module:
+    """The conv net in channels_last memory format: its conv weights are not contiguous."""
+    return ConvNet().to(memory_format=torch.channels_last)
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": MLP,
     "conv": ConvNet,
+    "channels_last": _channels_last,
     "tied": TiedLM,
     "frozen": Frozen,
     "mixed": MixedDtype,
@@ -182,8 +188,10 @@ def build(name: str, seed: int = 0) -> nn.Module:
 
 def batch(name: str, step: int, rank: int, size: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    if name == "conv":
+    if name in ("conv", "channels_last"):
         x = torch.randn(size, 3, 8, 8, generator=g)
+        if name == "channels_last":
+            x = x.to(memory_format=torch.channels_last)
     elif name.startswith("sparse"):
         x = torch.randint(0, 20, (size, 5), generator=g)
     elif name == "tied":

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from functools import partial
 from typing import Any
 
@@ -77,6 +78,8 @@ CASES = {
     "tiny_buckets": ("mlp", TINY, {}),
     "no_view": ("mlp", {"gradient_as_bucket_view": False}, {}),
     "zero_grad_keep": ("conv", TINY, {"set_to_none": False}),
+    "channels_last": ("channels_last", {}, {}),
+    "channels_last_grads_kept": ("channels_last", TINY, {"set_to_none": False}),
     "no_sync_accumulation": ("mlp", TINY, {"accumulate": 3}),
     "unused_by_rank": (
         "branchy",
@@ -235,6 +238,29 @@ def test_grads_are_bucket_views(set_to_none: bool) -> None:
         dtypes = {n: dt for names, _, _, dt in r["plan"] for n in names}
         assert all(dt == torch.float64 for n, dt in dtypes.items() if n.startswith("b."))
         assert all(dt == torch.float32 for n, dt in dtypes.items() if not n.startswith("b."))
+
+
+def _layouts(rank: int, world: int) -> dict[str, Any]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = train("channels_last", BucketDataParallel, rank, set_to_none=False)
+    model = out["wrapped"].module
+    return {
+        "warnings": [str(w.message) for w in caught if "layout contract" in str(w.message)],
+        "strides_match": all(p.grad.stride() == p.stride() for p in model.parameters()),
+        "views": all(
+            p.grad.data_ptr() == v.data_ptr()
+            for p, v in zip(model.parameters(), out["wrapped"].reducer._views, strict=True)
+        ),
+    }
+
+
+def test_bucket_views_keep_the_parameters_layout() -> None:
+    # channels_last conv weights: each gradient view takes its parameter's strides, as
+    # torch DDP's bucket views do, so AccumulateGrad sees the layout it expects.
+    for r in run_ranks(_layouts, 2, timeout=60):
+        assert r["warnings"] == []
+        assert r["strides_match"] and r["views"]
 
 
 def _count_collectives(rank: int, world: int) -> dict[str, Any]:

@@ -968,12 +968,33 @@ class Reducer:
 
 
 def _slots(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``flat``, one per parameter in order, each shaped like its parameter."""
+    """Views of ``flat``, one per parameter in order, each shaped like its parameter.
+
+    A parameter whose elements are dense in another order (``channels_last``, a transposed
+    weight) gets a view with its own strides, as torch DDP's bucket views do. A gradient
+    made a view then keeps the parameter's layout, which AccumulateGrad expects (otherwise
+    it warns that the gradient layout contract is broken, and accumulates more slowly).
+    """
     views, offset = [], 0
     for p in params:
-        views.append(flat[offset : offset + p.numel()].view(p.shape))
+        if not p.is_contiguous() and _dense(p):
+            views.append(flat.as_strided(p.shape, p.stride(), flat.storage_offset() + offset))
+        else:
+            views.append(flat[offset : offset + p.numel()].view(p.shape))
         offset += p.numel()
     return views
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` consecutive places, in some dim order."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _empty_sparse(param: torch.Tensor) -> torch.Tensor:
