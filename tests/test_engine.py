@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
 from bucketddp.parallel import input_device, to_device
-from models import batch, build, train, train_global
+from models import assert_weights, batch, build, train, train_global
 from multirank import RankError, raised, run_ranks
 
 TINY = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005}  # ~500 and ~130 floats
@@ -108,6 +108,25 @@ def test_matches_torch_ddp(case: str) -> None:
 @pytest.mark.parametrize("world", [1, 3])
 def test_matches_torch_ddp_other_world_sizes(world: int) -> None:
     _assert_same(run_ranks(_compare, world, "mlp", TINY, {}))
+
+
+def _subgroups(rank: int, world: int) -> dict[str, Any]:
+    # Ranks 0 and 2 train together on their own group; rank 1 alone on another.
+    groups = [dist.new_group([0, 2]), dist.new_group([1])]
+    mine = groups[1] if rank == 1 else groups[0]
+    ours = train("conv", partial(BucketDataParallel, process_group=mine, **TINY), rank)
+    theirs = train("conv", partial(DDP, process_group=mine, bucket_cap_mb=0.002), rank)
+    return {k: (ours[k], theirs[k]) for k in ("params", "buffers")}
+
+
+def test_matches_torch_ddp_on_subgroups() -> None:
+    results = run_ranks(_subgroups, 3, timeout=90)
+    for rank, r in enumerate(results):
+        for ours, theirs in r.values():
+            assert_weights(ours, theirs, rank)
+    # The pair agrees; the lone rank trained on its own data.
+    params = [r["params"][0]["head.weight"] for r in results]
+    assert torch.equal(params[0], params[2]) and not torch.equal(params[0], params[1])
 
 
 def test_weights_actually_move() -> None:
