@@ -82,10 +82,15 @@ def _sum_buffer_after_copy_load(rank: int, world: int) -> dict[str, Any]:
     shadow = copy.deepcopy(net)
     shadow.load_state_dict(net.state_dict())
     model.sync_buffers()
+    # A copy of the wrapper keeps the agreed total as its baseline, and syncs on its own.
+    duplicate = _pickled(model)
+    duplicate.module.seen += 1
+    duplicate.sync_buffers()
     group = dist.new_group([0, 1])
     return {
         "seen": int(net.seen),
         "pickled": int(_pickled(net).seen),  # a wrapped module with "sum" buffers pickles
+        "copy_seen": int(duplicate.module.seen),
         "own_group": raised(
             lambda: copy.deepcopy(BucketDataParallel(build("mlp"), process_group=group))
         ),
@@ -95,5 +100,6 @@ def _sum_buffer_after_copy_load(rank: int, world: int) -> dict[str, Any]:
 def test_copies_leave_the_original_alone_and_own_groups_refuse() -> None:
     for r in run_ranks(_sum_buffer_after_copy_load, 2, timeout=60):
         assert r["seen"] == r["pickled"] == 1 + 2
+        assert r["copy_seen"] == 3 + 1 + 1
         assert "cannot be copied or pickled" in r["own_group"]
         assert "Copy model.module instead" in r["own_group"]

@@ -312,6 +312,7 @@ class BucketDataParallel(nn.Module, Joinable):
                 "torch.distributed.init_process_group() first, or save model.module instead"
             )
         self.reducer = self._new_reducer()
+        self.buffers_sync.world_size = self.reducer.world_size  # torch.load: maybe another
         if order is not None:
             self.reducer.load_order(order)
 
