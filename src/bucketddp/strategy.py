@@ -121,9 +121,9 @@ class BucketDDP(DDPStrategy):
 
     Raises:
         ValueError: a bucket size that is not positive, an unknown default policy, buffer
-            options that contradict each other, a hook
-            state or wrapper without a hook, or a ``model_averaging_period`` that is missing
-            with a ``PostLocalSGDState``, given without one, or not a positive integer.
+            options that contradict each other, a hook state or wrapper without a hook, or a
+            ``model_averaging_period`` that is missing with a ``PostLocalSGDState``, given
+            without one, or not a positive integer.
     """
 
     def __init__(
