@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune
 import torch.utils.checkpoint
 from torch import nn
 
@@ -160,6 +161,39 @@ class SparseOnly(nn.Module):
         return self.bag(x)
 
 
+class Reparametrized(nn.Module):
+    """Weights computed in forward: spectral norm (both APIs), weight norm and pruning.
+
+    Spectral norm updates its ``_u``/``_v`` buffers in every training forward, and pruning
+    multiplies by a mask buffer, so buffers and parameters both take part.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        utils = nn.utils
+        self.a = utils.parametrizations.spectral_norm(nn.Linear(10, 32))
+        self.b = utils.spectral_norm(nn.Linear(32, 32))
+        self.c = utils.parametrizations.weight_norm(nn.Linear(32, 32))
+        self.d = nn.Linear(32, 4)
+        torch.nn.utils.prune.l1_unstructured(self.d, "weight", amount=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(torch.relu(self.c(torch.relu(self.b(torch.relu(self.a(x)))))))
+
+
+class Recurrent(nn.Module):
+    """A two-layer LSTM over three copies of the input, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(10, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x.unsqueeze(1).repeat(1, 3, 1))
+        return self.head(out[:, -1])
+
+
 def _channels_last() -> nn.Module:
     """The conv net in channels_last memory format: its conv weights are not contiguous."""
     return ConvNet().to(memory_format=torch.channels_last)
@@ -169,6 +203,8 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": MLP,
     "conv": ConvNet,
     "channels_last": _channels_last,
+    "reparametrized": Reparametrized,
+    "recurrent": Recurrent,
     "tied": TiedLM,
     "frozen": Frozen,
     "mixed": MixedDtype,

@@ -79,6 +79,8 @@ CASES = {
     "no_view": ("mlp", {"gradient_as_bucket_view": False}, {}),
     "zero_grad_keep": ("conv", TINY, {"set_to_none": False}),
     "channels_last": ("channels_last", {}, {}),
+    "reparametrized": ("reparametrized", TINY, {}),
+    "recurrent": ("recurrent", TINY, {}),
     "channels_last_grads_kept": ("channels_last", TINY, {"set_to_none": False}),
     "no_sync_accumulation": ("mlp", TINY, {"accumulate": 3}),
     "unused_by_rank": (
