@@ -326,3 +326,15 @@ def assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], 
         torch.testing.assert_close(
             got[name], value, rtol=0, atol=1e-6, msg=f"{name} on rank {rank}"
         )
+
+
+def paired(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Two ``train`` results side by side: parameters and buffers, (ours, theirs) each."""
+    return {k: (ours[k], theirs[k]) for k in ("params", "buffers")}
+
+
+def assert_pairs_match(results: Sequence[dict[str, tuple[Any, Any]]]) -> None:
+    """Every rank's ``paired`` states agree to 1e-6, parameters and buffers."""
+    for rank, r in enumerate(results):
+        for ours, theirs in r.values():
+            assert_weights(ours, theirs, rank)

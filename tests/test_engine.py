@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
 from bucketddp.parallel import input_device, to_device
-from models import assert_weights, batch, build, train, train_global
+from models import assert_pairs_match, batch, build, paired, train, train_global
 from multirank import RankError, raised, run_ranks
 
 TINY = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005}  # ~500 and ~130 floats
@@ -118,14 +118,12 @@ def _subgroups(rank: int, world: int) -> dict[str, Any]:
     mine = groups[1] if rank == 1 else groups[0]
     ours = train("conv", partial(BucketDataParallel, process_group=mine, **TINY), rank)
     theirs = train("conv", partial(DDP, process_group=mine, bucket_cap_mb=0.002), rank)
-    return {k: (ours[k], theirs[k]) for k in ("params", "buffers")}
+    return paired(ours, theirs)
 
 
 def test_matches_torch_ddp_on_subgroups() -> None:
     results = run_ranks(_subgroups, 3, timeout=90)
-    for rank, r in enumerate(results):
-        for ours, theirs in r.values():
-            assert_weights(ours, theirs, rank)
+    assert_pairs_match(results)
     # The pair agrees; the lone rank trained on its own data.
     params = [r["params"][0]["head.weight"] for r in results]
     assert torch.equal(params[0], params[2]) and not torch.equal(params[0], params[1])

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
-from models import assert_weights, build, train
+from models import assert_pairs_match, assert_weights, build, paired, train
 from multirank import raised, run_ranks
 
 IGNORED = ["head.bias", "features.1.running_mean"]
@@ -35,14 +35,12 @@ def _against_ddp(rank: int, world: int) -> dict[str, Any]:
     theirs_prep = _rank_local(rank, DDP._set_params_and_buffers_to_ignore_for_model)
     ours = train("conv", lambda m: BucketDataParallel(ours_prep(m)), rank)
     theirs = train("conv", lambda m: DDP(theirs_prep(m)), rank)
-    return {k: (ours[k], theirs[k]) for k in ("params", "buffers")}
+    return paired(ours, theirs)
 
 
 def test_ignored_parameters_and_buffers_stay_rank_local_as_with_torch_ddp() -> None:
     results = run_ranks(_against_ddp, 2, timeout=90)
-    for rank, r in enumerate(results):
-        for ours, theirs in r.values():
-            assert_weights(ours, theirs, rank)
+    assert_pairs_match(results)
     # The ignored tensors were never averaged nor broadcast: they still differ by rank.
     params0, params1 = results[0]["params"][0], results[1]["params"][0]
     assert not torch.allclose(params0["head.bias"], params1["head.bias"], atol=0.5)

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
 from bucketddp.parallel import buffer_default
-from models import assert_weights, train
+from models import assert_pairs_match, assert_weights, paired, train
 from multirank import raised, run_ranks
 
 # Options torch DDP and bucketddp both take, with what they do to a conv net whose
@@ -40,16 +40,14 @@ def _apart(rank: int, wrapper: Callable[..., nn.Module], opts: dict[str, Any]) -
 def _against_ddp(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     ours = train("conv", _apart(rank, BucketDataParallel, opts), rank)
     theirs = train("conv", _apart(rank, DDP, opts), rank)
-    return {k: (ours[k], theirs[k]) for k in ("params", "buffers")}
+    return paired(ours, theirs)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_sync_options_give_the_weights_and_buffers_of_torch_ddp(case: str) -> None:
     opts = CASES[case]
     results = run_ranks(_against_ddp, 2, opts, timeout=90)
-    for rank, r in enumerate(results):
-        for ours, theirs in r.values():
-            assert_weights(ours, theirs, rank)
+    assert_pairs_match(results)
     params = [r["params"][0] for r in results]
     # init_sync=False keeps each rank's parameters (and the averaged steps keep them apart).
     apart = not torch.allclose(params[0]["head.weight"], params[1]["head.weight"], atol=0.05)

@@ -424,17 +424,19 @@ class BufferSync:
         # to come may have saved a buffer (BatchNorm saves its running statistics), and a
         # second forward before that backward (two inputs through one model, an evaluation
         # forward) syncs the buffers again. The backward then runs on the synced values.
-        with _preserve_versions(self._synced):
-            return self._sync_groups(src, ranks, contribute)
+        by_group = [[self._get(n) for n in g.names] for g in self.groups]
+        with _preserve_versions(tuple(t for tensors in by_group for t in tensors)):
+            return self._sync_groups(by_group, src, ranks, contribute)
 
-    def _sync_groups(self, src: int, ranks: int | None, contribute: bool) -> int:
+    def _sync_groups(
+        self, by_group: list[list[torch.Tensor]], src: int, ranks: int | None, contribute: bool
+    ) -> int:
         count = 0
-        for i, group in enumerate(self.groups):
+        for i, (group, tensors) in enumerate(zip(self.groups, by_group, strict=True)):
             policy = group.policy
             if not isinstance(policy, str):
                 self._apply_custom(group.names[0], policy)
                 continue
-            tensors = [self._get(n) for n in group.names]
             if policy == "sum":
                 count += self._sync_sum(group.names, tensors)
             elif policy == "broadcast":
@@ -448,11 +450,6 @@ class BufferSync:
                     identity=None if contribute else _identity(policy, tensors[0].dtype),
                 )
         return count
-
-    @property
-    def _synced(self) -> tuple[torch.Tensor, ...]:
-        """Every buffer a sync may write."""
-        return tuple(self._get(n) for g in self.groups for n in g.names)
 
     def broadcast_buffers(self) -> list[torch.Tensor]:
         """The buffers whose policy is ``"broadcast"``."""
