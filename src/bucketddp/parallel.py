@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -185,6 +186,8 @@ class BucketDataParallel(nn.Module, Joinable):
             self.buffers_sync.sync()
         self.reducer.watch_requires_grad()
         self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
+        if torch.is_grad_enabled():
+            self.reducer.arm()
 
     def _join_step(self) -> None:
         """Inside ``join()``: tell the joined ranks what this iteration does, then sync buffers."""
@@ -277,12 +280,17 @@ class BucketDataParallel(nn.Module, Joinable):
         self.reducer.module_changed(added, removed)
 
     def _new_reducer(self) -> Reducer:
-        return Reducer(
+        reducer = Reducer(
             self._named_parameters(),
             process_group=self.process_group,
             sparse_names=_sparse_parameters(self.module),
             **self._reducer_options,
         )
+        # A wrapper that is dropped takes its hooks along, as torch DDP's reducer does when
+        # it is destroyed: the module trains plainly again, and a new wrapper is alone on it.
+        # (The hooks hold the reducer, not the wrapper, so the wrapper can be collected.)
+        weakref.finalize(self, _detach, reducer, self.buffers_sync).atexit = False
+        return reducer
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``copy.deepcopy`` and pickling take: all but the reducer (torch DDP's rule).
@@ -335,7 +343,10 @@ class BucketDataParallel(nn.Module, Joinable):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the next synced backward reduces the sum."""
+        """Accumulate gradients locally; the next synced backward reduces the sum.
+
+        As with torch DDP, a forward run inside decides: its backward does not communicate.
+        """
         before = self.reducer.sync_enabled
         self.reducer.sync_enabled = False
         try:
@@ -378,8 +389,35 @@ class BucketDataParallel(nn.Module, Joinable):
 
     def remove_hooks(self) -> None:
         """Detach the reducer's and the buffer sync's hooks, leaving ``.module`` plain."""
-        self.reducer.remove()
-        self.buffers_sync.remove()
+        _detach(self.reducer, self.buffers_sync)
+
+    def prepare_for_backward(self) -> None:
+        """Make the next backward this wrapper's to reduce, as a forward through it does.
+
+        For frameworks that run backward passes inside the wrapper's forward, such as
+        Lightning's manual optimization, where the forward is the whole ``training_step``:
+        call it before each such backward. That backward syncs unless this call is made
+        inside ``no_sync()``. Plain training loops never need it.
+        """
+        self.reducer.arm()
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """Whether the backward after the next forward syncs (torch DDP's attribute).
+
+        ``no_sync()`` clears it for its duration. Setting it by hand before a forward, as some
+        training scripts do instead of ``no_sync()``, works as with torch DDP.
+        """
+        return self.reducer.sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.reducer.sync_enabled = bool(value)
+
+
+def _detach(reducer: Reducer, buffers_sync: BufferSync) -> None:
+    reducer.remove()
+    buffers_sync.remove()
 
 
 def check_initialized(module: nn.Module) -> None:

@@ -158,6 +158,12 @@ class Reducer:
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.sync_enabled = True
+        # torch DDP's contract: the hooks act only in a backward that follows a grad-enabled
+        # forward through the wrapper (``arm``), whose sync decision (``no_sync``) they keep.
+        # Gradients from other graphs (the bare module, another wrapper sharing parameters,
+        # after the wrapper is gone) accumulate locally, untouched.
+        self._armed = False
+        self._sync_step = True
         self.stats = CommStats()
         # With one rank there is nothing to reduce: no storage, no copies, hooks only check
         # (unless a communication hook is registered).
@@ -380,6 +386,8 @@ class Reducer:
         ]
 
     def _on_outside_grad(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
         self._outside_touched = True
         if not self._queued:
             self._queue_finalize()
@@ -392,8 +400,19 @@ class Reducer:
         instead, it would end with the nested backward of a reentrant checkpoint segment
         if that is where the first gradient came from.
         """
+        self._armed = True  # this wrapper's outputs: a second backward through them counts
         if not self._queued:
             self._queue_finalize()
+
+    def arm(self) -> None:
+        """At a grad-enabled forward: the next backward is this reducer's to reduce.
+
+        It syncs unless this forward runs inside ``no_sync()``, the decision torch DDP takes
+        at the forward too. Until then, and after a backward that reached a parameter, the
+        hooks leave gradients alone.
+        """
+        self._armed = True
+        self._sync_step = self.sync_enabled
 
     def _queue_finalize(self) -> None:
         """At a backward's first hook: have the autograd engine call ``_finalize`` at its end."""
@@ -403,7 +422,7 @@ class Reducer:
         Variable._execution_engine.queue_callback(self._finalize)
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
-        if self._mark_ready(i):
+        if self._armed and self._mark_ready(i):
             self._stage(i, param)
 
     def _stage(self, i: int, param: torch.Tensor) -> None:
@@ -427,9 +446,11 @@ class Reducer:
         Until the first synced backward has counted them, and inside ``no_sync``, only the
         first gradient is recorded; ``_reduce`` then fills the slots from ``.grad``.
         """
+        if not self._armed:
+            return
         fires = self._fires[i] = self._fires[i] + 1
         expected = self._expected_fires
-        if expected is None or not self.sync_enabled:
+        if expected is None or not self._sync_step:
             if fires == 1:
                 self._mark_ready(i)
             return
@@ -465,7 +486,7 @@ class Reducer:
         self._used[i] = True
         if self._observed is not None:
             self._observed.append(i)
-        return self.sync_enabled and self._communicates
+        return self._sync_step and self._communicates
 
     def _fill_slot(self, i: int, grad: torch.Tensor | None) -> torch.Tensor:
         """Stage gradient ``i`` in its bucket slot, already divided by the world size.
@@ -627,7 +648,10 @@ class Reducer:
     def _finalize(self) -> None:
         """Runs once at the end of each backward pass that touched a parameter."""
         self._queued = False
-        if not self.sync_enabled or not self._touched():
+        touched = self._touched()
+        if touched:
+            self._armed = False  # until the next forward (or a backward through its outputs)
+        if not self._sync_step or not touched:
             self._reset_step()
             return
         try:

@@ -30,6 +30,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
+from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
@@ -256,6 +257,15 @@ class BucketDDP(DDPStrategy):
             return
         with wrapped.no_sync():
             yield
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Manual optimization: each ``manual_backward`` is reduced (or, inside
+        ``toggle_model(sync_grad=False)``, kept local), as Lightning arranges for torch DDP."""
+        wrapped = self._wrapped
+        module = self.lightning_module
+        if wrapped is not None and module is not None and not module.automatic_optimization:
+            wrapped.prepare_for_backward()
 
     # ---------------------------------------------------------------- buffer syncs
     def _sync_buffers(self) -> None:
