@@ -7,11 +7,14 @@
   forward in between) syncs the buffers again; BatchNorm saved them for its backward.
 - A backward per loss through one forward (``retain_graph=True``) reduces each.
 - ``backward(inputs=...)`` on part of the model, with ``find_unused_parameters=True``.
+- ``checkpoint(model, x)``: the wrapper's forward runs again inside the backward. Before,
+  it took the backward in progress for a failed one and warned that it discarded it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from bucketddp import BucketDataParallel
 from models import assert_weights, batch, build
@@ -58,6 +62,11 @@ def _step(model: nn.Module, name: str, index: int, rank: int, pattern: str, scal
         last = list(getattr(model, "module", model).net[4].parameters())
         (F.mse_loss(model(x), y) * scale).backward(inputs=last)
         return True
+    elif pattern.startswith("checkpointed_call"):
+        # The wrapper's whole forward is recomputed during backward, inside the backward.
+        x = x.clone().requires_grad_(True)
+        out = checkpoint(model, x, use_reentrant=pattern.endswith("reentrant"))
+        loss = F.mse_loss(out, y)
     else:  # two_backwards
         out = model(x)
         (F.mse_loss(out, y) * scale).backward(retain_graph=True)
@@ -79,6 +88,8 @@ def _train(
     model = wrap(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     untouched = True
+    warned = _Warnings()
+    logging.getLogger("bucketddp").addHandler(warned)
     for step in range(STEPS):
         for micro in range(accumulate):
             last = micro == accumulate - 1
@@ -86,8 +97,19 @@ def _train(
                 untouched &= _step(model, name, step * accumulate + micro, rank, pattern, 1.0)
         opt.step()
         opt.zero_grad()
+    logging.getLogger("bucketddp").removeHandler(warned)
+    assert not warned.messages, warned.messages  # say, a step taken for a failed one
     state = {n: t.detach().clone() for n, t in [*net.named_parameters(), *net.named_buffers()]}
     return state, untouched
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def _global(world: int, name: str, pattern: str, accumulate: int) -> dict[str, torch.Tensor]:
@@ -115,6 +137,8 @@ CASES: dict[str, dict[str, Any]] = {
     "two_forwards": {"name": "conv"},
     "two_forwards_mlp_tiny_buckets": {"name": "mlp", "opts": {"bucket_cap_mb": 0.002}},
     "eval_forward": {"name": "conv"},
+    "checkpointed_call": {"name": "conv"},
+    "checkpointed_call_reentrant": {"name": "conv"},
     # torch DDP reduces only the first of the two backward passes (its hooks are spent),
     # leaving the second loss's gradient local: the ground truth is one process.
     "two_backwards": {"name": "conv", "ddp": False},

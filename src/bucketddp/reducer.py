@@ -946,8 +946,12 @@ class Reducer:
 
     @property
     def step_unfinished(self) -> bool:
-        """A backward pass started but never reached its end (it raised midway)."""
-        return self._queued
+        """A backward pass started but never reached its end (it raised midway).
+
+        Not while that backward is still running: a forward inside it (the recomputation of
+        ``checkpoint(model, x)``) belongs to it.
+        """
+        return self._queued and torch._C._current_graph_task_id() == -1
 
     def discard_step(self) -> None:
         """Forget a backward pass that raised midway, so the next one starts clean.
