@@ -492,6 +492,43 @@ def test_lazy_modules_are_refused_naming_what_to_do() -> None:
         assert "run one forward pass on a batch first" in said
 
 
+def _bad_wrapping(rank: int, world: int) -> dict[str, str]:
+    inner = torch.nn.Linear(2, 2)
+    with torch.device("meta"):
+        on_meta = torch.nn.Linear(2, 2)
+    return {
+        "ours": raised(lambda: BucketDataParallel(BucketDataParallel(inner)), ValueError),
+        "torch": raised(lambda: BucketDataParallel(DDP(inner)), ValueError),
+        "nested": raised(
+            lambda: BucketDataParallel(torch.nn.Sequential(DDP(inner), torch.nn.ReLU())),
+            ValueError,
+        ),
+        "meta": raised(lambda: BucketDataParallel(on_meta)),
+        "function": raised(lambda: BucketDataParallel(torch.relu), TypeError),  # type: ignore[arg-type]
+        "group": raised(
+            lambda: BucketDataParallel(inner, process_group="gloo"),  # type: ignore[arg-type]
+            TypeError,
+        ),
+    }
+
+
+def test_wrapping_a_wrapper_or_a_meta_module_is_refused_naming_the_fix() -> None:
+    # torch DDP takes a wrapper inside a wrapper and reduces its gradients twice; a meta
+    # module, a function or a string for the group fail with unrelated errors. Before, so did
+    # bucketddp (the meta module at its first forward).
+    for said in run_ranks(_bad_wrapping, 2, timeout=30):
+        assert "it is already a BucketDataParallel" in said["ours"]
+        assert "it is already a DistributedDataParallel" in said["torch"]
+        assert "its submodule '0' is a DistributedDataParallel" in said["nested"]
+        for key in ("ours", "torch", "nested"):
+            assert "pass wrapper.module instead" in said[key]
+        assert "['weight', 'bias'] are on the meta device" in said["meta"]
+        assert "module.to_empty(device=...)" in said["meta"]
+        assert "wraps an nn.Module, got builtin_function_or_method" in said["function"]
+        assert "must be a torch.distributed.ProcessGroup" in said["group"]
+        assert "str 'gloo'" in said["group"]
+
+
 def _device_ids_on_cpu(rank: int, world: int) -> dict[str, str]:
     """What each wrapper says to torch DDP's device arguments on a CPU module."""
     said = {}

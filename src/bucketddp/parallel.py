@@ -68,11 +68,13 @@ class BucketDataParallel(nn.Module, Joinable):
             ``process_group``.
 
     Raises:
-        RuntimeError: when no process group is initialized, or the ranks' models differ.
-        ValueError: on bad bucket sizes or buffer policies, buffer options that
-            contradict each other, ``device_ids`` and ``output_device`` that do not name the
-            module's one accelerator, or a ``device_mesh`` given with a ``process_group`` or
-            with more than one dimension.
+        RuntimeError: when no process group is initialized, the ranks' models differ, or
+            the module has lazy or meta parameters.
+        TypeError: ``module`` is not an ``nn.Module``, or ``process_group`` not a group.
+        ValueError: ``module`` is or holds a data-parallel wrapper; on bad bucket sizes or
+            buffer policies, buffer options that contradict each other, ``device_ids`` and
+            ``output_device`` that do not name the module's one accelerator, or a
+            ``device_mesh`` given with a ``process_group`` or with more than one dimension.
     """
 
     def __init__(
@@ -94,6 +96,7 @@ class BucketDataParallel(nn.Module, Joinable):
         forward_sync_buffers: bool | None = None,
         device_mesh: Any = None,
     ) -> None:
+        check_wrappable(module)
         super().__init__()
         Joinable.__init__(self)
         self._divide_by_initial_world_size = True
@@ -112,6 +115,12 @@ class BucketDataParallel(nn.Module, Joinable):
         )
         if device_mesh is not None:
             process_group = mesh_group(device_mesh, process_group)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "process_group must be a torch.distributed.ProcessGroup (from "
+                f"dist.new_group(), say) or None for the default group, got "
+                f"{type(process_group).__name__} {process_group!r}"
+            )
         self.device_mesh = device_mesh
         self.module = module
         self.process_group = process_group
@@ -420,25 +429,53 @@ def _detach(reducer: Reducer, buffers_sync: BufferSync) -> None:
     buffers_sync.remove()
 
 
-def check_initialized(module: nn.Module) -> None:
-    """Raise if ``module`` still has lazy parameters or buffers (``nn.LazyLinear`` and kin).
+def check_wrappable(module: object) -> None:
+    """Raise unless ``module`` is an ``nn.Module`` with no data-parallel wrapper inside it.
 
-    Their shapes are not known before the first forward, so there is nothing yet to check
-    across ranks, broadcast or bucket.
+    A wrapper inside (the module itself, or a submodule) would reduce its parameters'
+    gradients a second time. torch DDP does not check this.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``.
+        ValueError: naming the wrapper found and what to wrap instead.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"BucketDataParallel wraps an nn.Module, got {type(module).__name__}")
+    wrappers = (BucketDataParallel, nn.parallel.DistributedDataParallel)
+    for name, sub in module.named_modules():
+        if isinstance(sub, wrappers):
+            where = f"its submodule {name!r} is" if name else "it is already"
+            raise ValueError(
+                f"cannot wrap this module: {where} a {type(sub).__name__}, whose hooks "
+                "already reduce those gradients, so they would be reduced twice. Wrap the "
+                "plain model once: pass wrapper.module instead of the wrapper."
+            )
+
+
+def check_initialized(module: nn.Module) -> None:
+    """Raise if ``module`` has parameters or buffers without data yet.
+
+    Lazy ones (``nn.LazyLinear`` and kin) have no shape before the first forward; meta ones
+    (built under ``torch.device("meta")``) have no storage. Neither can be compared across
+    ranks, broadcast or bucketed.
 
     Raises:
         RuntimeError: naming them and what to do.
     """
-    lazy = [
-        n
-        for n, t in [*module.named_parameters(), *module.named_buffers()]
-        if nn.parameter.is_lazy(t)
-    ]
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    lazy = [n for n, t in tensors if nn.parameter.is_lazy(t)]
     if lazy:
         raise RuntimeError(
             f"the module's parameters or buffers {lazy[:10]} are not initialized yet (a lazy "
             "module such as nn.LazyLinear): run one forward pass on a batch first, so that "
             "they get their shapes, then wrap the module"
+        )
+    meta = [n for n, t in tensors if t.is_meta]
+    if meta:
+        raise RuntimeError(
+            f"the module's parameters or buffers {meta[:10]} are on the meta device and hold "
+            "no data: materialize them first (module.to_empty(device=...), then initialize "
+            "or load the weights), then wrap the module"
         )
 
 
