@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
 from models import assert_pairs_match
-from multirank import run_ranks
+from multirank import raised, run_ranks
 
 Wrap = Callable[..., nn.Module]
 
@@ -191,6 +191,28 @@ def test_the_forward_decides_whether_its_backward_syncs(scenario: str) -> None:
     local = scenario != "backward_inside"
     assert (not torch.equal(a["0.0 0.weight"], b["0.0 0.weight"])) is local
     assert torch.equal(a["0.2 0.weight"], b["0.2 0.weight"])
+
+
+def _both_armed(rank: int, world: int, how: str) -> str:
+    torch.manual_seed(0)
+    heads = Heads()
+    a = BucketDataParallel(nn.Sequential(heads.enc, heads.a))
+    b = BucketDataParallel(nn.Sequential(heads.enc, heads.b))
+    x, y = _data(0, 0, rank)
+    loss_a, loss_b = F.mse_loss(a(x), y), F.mse_loss(b(x), y)
+    loss = loss_a + loss_b if how == "summed" else loss_a  # b still expects its backward
+    return raised(loss.backward)
+
+
+@pytest.mark.parametrize("how", ["summed", "one_of_two"])
+def test_two_wrappers_reducing_one_parameter_in_one_backward_raise_on_every_rank(
+    how: str,
+) -> None:
+    # Before, the second wrapper averaged the first one's staged (already averaged)
+    # gradient again: the shared encoder trained on half its gradient, without a word.
+    for said in run_ranks(_both_armed, 2, how):
+        assert "parameter '0.bias' is reduced by two BucketDataParallel wrappers" in said
+        assert "wrap one module that holds every part" in said
 
 
 def _leaves(rank: int, world: int) -> tuple[bool, int, int]:

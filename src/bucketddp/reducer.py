@@ -30,6 +30,7 @@ import functools
 import logging
 import sys
 import time
+import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,11 @@ from .comm import all_reduce_coalesced
 from .comm_hooks import CommHook, GradBucket, call_after, hook_result, run_hook
 
 log = logging.getLogger(__name__)
+
+# The attribute on each bucket's storage that names the reducer owning it (a weak
+# reference): a gradient that is a view into another reducer's bucket tells that two
+# wrappers reduce one parameter in the same backward.
+_OWNER = "_bucketddp_owner"
 
 _COMPILED_AUTOGRAD = (
     "BucketDataParallel does not support compiled autograd "
@@ -263,6 +269,7 @@ class Reducer:
                 spec.numel + (extra if is_last else 0), dtype=spec.dtype, device=spec.device
             )
             members = [self._index[name] for name in spec.names]
+            setattr(storage, _OWNER, weakref.ref(self))
             bucket = _Bucket(storage, spec.numel, members, riders if is_last else 0)
             slots = _slots(storage, [self._params[i] for i in members])
             for i, view in zip(members, slots, strict=True):
@@ -510,6 +517,8 @@ class Reducer:
                 "did not have sparse=True when it was wrapped; set sparse=True on the "
                 "nn.Embedding or nn.EmbeddingBag before wrapping (or wrap it again)"
             )
+        if grad._base is not None:
+            self._check_not_staged_elsewhere(i, grad._base)
         if grad.dtype != view.dtype:
             raise RuntimeError(
                 f"parameter {self._names[i]!r} now has a {grad.dtype} gradient, but it was "
@@ -519,6 +528,23 @@ class Reducer:
             )
         torch.mul(grad, self._scale, out=view)
         return view
+
+    def _check_not_staged_elsewhere(self, i: int, base: torch.Tensor) -> None:
+        """Raise if another reducer staged parameter ``i``'s gradient in this backward.
+
+        That happens when two wrappers hold the parameter and both ran a forward this
+        backward reaches: the gradient would be averaged twice.
+        """
+        ref = getattr(base, _OWNER, None)
+        owner = ref() if ref is not None else None
+        if owner is not None and owner is not self and owner._queued:
+            raise RuntimeError(
+                f"parameter {self._names[i]!r} is reduced by two BucketDataParallel wrappers "
+                "in this backward pass: both hold it, and both ran a forward since their last "
+                "backward. Reduce each parameter with one wrapper per backward: wrap one "
+                "module that holds every part (an nn.ModuleDict, say), or run each wrapper's "
+                "forward and backward in turn."
+            )
 
     def _launch_ready(self) -> None:
         """Launch every bucket whose turn has come, in plan order."""
