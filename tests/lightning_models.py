@@ -252,6 +252,30 @@ class GAN(pl.LightningModule):
         return DataLoader(_table(32, 4), batch_size=4)
 
 
+class ManualBatchNorm(pl.LightningModule):
+    """Manual optimization with BatchNorm: records the running mean each training step sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.seen.append(self.net[1].running_mean.detach().clone())
+        opt = self.optimizers()
+        self.manual_backward(F.mse_loss(self.net(x), y.float().unsqueeze(1)))
+        opt.step()  # type: ignore[union-attr]
+        opt.zero_grad()  # type: ignore[union-attr]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(_table(32, 5), batch_size=4)
+
+
 class MLP(pl.LightningModule):
     """Parameters only, no buffers: every all-reduce in training is a gradient bucket."""
 

@@ -36,6 +36,7 @@ from lightning_models import (
     Counting,
     Finetuned,
     GradNorms,
+    ManualBatchNorm,
     Normed,
     Observe,
     RankLocalBias,
@@ -105,6 +106,13 @@ def swap(out: Path) -> dict[str, Any]:
         _, model = fit(strategy, GAN, max_steps=8, callbacks=[synced])
         result[f"gan/{label}"] = weights(model)
         result[f"gan_synced/{label}"] = synced.batches
+    # Manual optimization with BatchNorm: BucketDDP syncs buffers before each training_step
+    # as in automatic optimization; "ddp" stops after the first one (Lightning's forward
+    # redirection clears require_backward_grad_sync before torch DDP's post-forward).
+    for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
+        _, model = fit(strategy, ManualBatchNorm, max_steps=6)
+        result[f"manual_bn/{label}"] = weights(model)
+        result[f"manual_bn_seen/{label}"] = model.seen
     # fp16 gradient compression: "ddp" gets the hook from a callback (Lightning registers
     # ddp_comm_hook only on CUDA), BucketDDP from its ddp_comm_hook option.
     fp16 = default_hooks.fp16_compress_hook

@@ -276,6 +276,21 @@ def test_manual_optimization_with_toggle_model(swap: list[dict[str, Any]]) -> No
         assert rank["gan_synced/bucket_default"] == [1, 3, 1, 3]
 
 
+def test_manual_optimization_syncs_buffers_before_every_step(
+    swap: list[dict[str, Any]],
+) -> None:
+    r0, r1 = swap
+    for rank in swap:
+        # BatchNorm trains on batch statistics, so the weights are those of "ddp"...
+        assert_same(rank["manual_bn/ddp"], rank["manual_bn/bucket"], 1e-6, ("running",))
+    # ...but the running statistics each step starts from agree across ranks only under
+    # BucketDDP. Under "ddp" they drift apart after the first step.
+    for a, b in zip(r0["manual_bn_seen/bucket"], r1["manual_bn_seen/bucket"], strict=True):
+        assert torch.equal(a, b)
+    seen_ddp = zip(r0["manual_bn_seen/ddp"], r1["manual_bn_seen/ddp"], strict=True)
+    assert [torch.equal(a, b) for a, b in seen_ddp] == [True] + [False] * 5
+
+
 def test_static_graph_reaches_the_wrapper_and_trains_as_ddp(swap: list[dict[str, Any]]) -> None:
     for rank in swap:
         assert rank["static_flag/bucket"] is True
