@@ -10,6 +10,7 @@ every gradient after every backward, and the final weights, to 1e-6.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import weakref
 from collections.abc import Callable
@@ -20,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from bucketddp import BucketDataParallel
-from models import assert_pairs_match
+from bucketddp.parallel import _hook_outputs
+from models import assert_pairs_match, assert_weights
 from multirank import raised, run_ranks
 
 Wrap = Callable[..., nn.Module]
@@ -193,15 +196,69 @@ def test_the_forward_decides_whether_its_backward_syncs(scenario: str) -> None:
     assert torch.equal(a["0.2 0.weight"], b["0.2 0.weight"])
 
 
-def _both_armed(rank: int, world: int, how: str) -> str:
+class _Segment(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=True)
+
+
+class _StepsInside(nn.Module):
+    """Runs the backward inside its forward, as Lightning's manual optimization does (the
+    forward is the whole ``training_step``); the last layer is a reentrant checkpoint."""
+
+    def __init__(self, pass_loss: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), _Segment())
+        self.pass_loss = pass_loss
+        self.wrapper: list[BucketDataParallel] = []  # a list: not a submodule
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(self.net(x), y)
+        self.wrapper[0].prepare_for_backward(loss if self.pass_loss else None)
+        loss.backward()
+        return loss.detach()
+
+
+def _inside(rank: int, world: int, pass_loss: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _StepsInside(pass_loss)
+    wrapped = BucketDataParallel(model, find_unused_parameters=not pass_loss)
+    model.wrapper.append(wrapped)
+    wrapped(*_data(0, 0, rank))
+    return {n: p.grad.clone() for n, p in model.net.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("pass_loss", [True, False])
+def test_a_backward_inside_the_forward_is_reduced_whole(pass_loss: bool) -> None:
+    # The first gradients come from the checkpoint segment's nested backward. Before, its
+    # end disarmed the wrapper and the outer layer's gradients stayed local; with the loss
+    # given to prepare_for_backward, the step ends with the outer backward.
+    torch.manual_seed(0)
+    truth = _StepsInside(pass_loss)
+    xs, ys = zip(*(_data(0, 0, r) for r in range(2)), strict=True)
+    F.mse_loss(truth.net(torch.cat(xs)), torch.cat(ys)).backward()
+    want = {n: p.grad for n, p in truth.net.named_parameters() if p.grad is not None}
+    for rank, got in enumerate(run_ranks(_inside, 2, pass_loss)):
+        assert got.keys() == want.keys()
+        assert_weights(got, want, rank)
+
+
+def _both_armed(rank: int, world: int, how: str) -> Any:
     torch.manual_seed(0)
     heads = Heads()
-    a = BucketDataParallel(nn.Sequential(heads.enc, heads.a))
-    b = BucketDataParallel(nn.Sequential(heads.enc, heads.b))
+    views = how != "summed_copies"
+    a = BucketDataParallel(nn.Sequential(heads.enc, heads.a), gradient_as_bucket_view=views)
+    b = BucketDataParallel(nn.Sequential(heads.enc, heads.b), gradient_as_bucket_view=views)
     x, y = _data(0, 0, rank)
     loss_a, loss_b = F.mse_loss(a(x), y), F.mse_loss(b(x), y)
-    loss = loss_a + loss_b if how == "summed" else loss_a  # b still expects its backward
-    return raised(loss.backward)
+    loss = loss_a if how == "one_of_two" else loss_a + loss_b  # b still expects its own
+    if views:
+        return raised(loss.backward)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in heads.named_parameters()}
 
 
 @pytest.mark.parametrize("how", ["summed", "one_of_two"])
@@ -213,6 +270,20 @@ def test_two_wrappers_reducing_one_parameter_in_one_backward_raise_on_every_rank
     for said in run_ranks(_both_armed, 2, how):
         assert "parameter '0.bias' is reduced by two BucketDataParallel wrappers" in said
         assert "wrap one module that holds every part" in said
+
+
+def test_without_bucket_views_two_wrappers_may_reduce_one_parameter() -> None:
+    # Each wrapper stages the local gradient in its own bucket and copies the average back:
+    # twice the communication, but the global batch's gradient.
+    torch.manual_seed(0)
+    heads = Heads()
+    for r in range(2):
+        x, y = _data(0, 0, r)
+        h = heads.enc(x)
+        ((F.mse_loss(heads.a(h), y) + F.mse_loss(heads.b(h), y)) / 2).backward()
+    want = {n: p.grad for n, p in heads.named_parameters()}
+    for rank, got in enumerate(run_ranks(_both_armed, 2, "summed_copies")):
+        assert_weights(got, want, rank)
 
 
 def _leaves(rank: int, world: int) -> tuple[bool, int, int]:
@@ -230,3 +301,21 @@ def test_a_dropped_wrapper_is_freed_at_once_and_leaves_no_hook() -> None:
         assert freed
         assert grad_hooks == 0
         assert load_hooks == 0
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    extra: list[torch.Tensor]
+    note: str = "not a tensor"
+
+
+def test_output_hooks_reach_into_dataclasses_as_torch_ddp_finds_tensors() -> None:
+    # The outputs' hooks open each backward through them (see on_output_grad); torch DDP's
+    # _find_tensors walks dataclass fields too. Before, a dataclass output got no hook.
+    w = torch.ones(3, requires_grad=True)
+    out = _Output(w * 2, [w * 3, w.detach()])
+    seen: list[int] = []
+    _hook_outputs(out, lambda g: seen.append(g.numel()))
+    (out.logits.sum() + out.extra[0].sum()).backward()
+    assert seen == [3, 3]

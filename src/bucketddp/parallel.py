@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 import weakref
@@ -400,15 +401,19 @@ class BucketDataParallel(nn.Module, Joinable):
         """Detach the reducer's and the buffer sync's hooks, leaving ``.module`` plain."""
         _detach(self.reducer, self.buffers_sync)
 
-    def prepare_for_backward(self) -> None:
+    def prepare_for_backward(self, output: Any = None) -> None:
         """Make the next backward this wrapper's to reduce, as a forward through it does.
 
         For frameworks that run backward passes inside the wrapper's forward, such as
         Lightning's manual optimization, where the forward is the whole ``training_step``:
-        call it before each such backward. That backward syncs unless this call is made
-        inside ``no_sync()``. Plain training loops never need it.
+        call it before each such backward, with the tensor(s) the backward starts from
+        (the loss). That backward syncs unless this call is made inside ``no_sync()``.
+        Plain training loops never need it.
         """
         self.reducer.arm()
+        if torch.is_grad_enabled():
+            # Like a forward's outputs: the backward's first hook, in its outermost pass.
+            _hook_outputs(output, self.reducer.on_output_grad)
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -589,9 +594,10 @@ def input_device(
 def _hook_outputs(obj: Any, hook: Callable[[torch.Tensor], None]) -> None:
     """Register ``hook`` on every tensor in ``obj`` that this forward computed with autograd.
 
-    Walks tuples, lists and dict values. Costs about 3 µs per output tensor per forward.
-    Leaves (a parameter returned as it is) are skipped: a hook on one would outlive the step
-    and pile up, one more per forward.
+    Walks tuples, lists, dict values and dataclass fields, as torch DDP does to find a
+    forward's outputs. Costs about 3 µs per output tensor per forward. Leaves (a parameter
+    returned as it is) are skipped: a hook on one would outlive the step and pile up, one
+    more per forward.
     """
     if isinstance(obj, torch.Tensor):
         if obj.grad_fn is not None:
@@ -602,6 +608,9 @@ def _hook_outputs(obj: Any, hook: Callable[[torch.Tensor], None]) -> None:
     elif isinstance(obj, dict):
         for x in obj.values():
             _hook_outputs(x, hook)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _hook_outputs(getattr(obj, f.name), hook)
 
 
 def to_device(obj: Any, device: torch.device) -> Any:

@@ -675,8 +675,11 @@ class Reducer:
         """Runs once at the end of each backward pass that touched a parameter."""
         self._queued = False
         touched = self._touched()
-        if touched:
-            self._armed = False  # until the next forward (or a backward through its outputs)
+        if touched and torch._C._current_autograd_node() is None:
+            # Until the next forward (or a backward through its outputs). Not at the end of a
+            # backward nested in another (a reentrant checkpoint segment's, when no output
+            # hook queued this callback in the outer one): the outer one's gradients follow.
+            self._armed = False
         if not self._sync_step or not touched:
             self._reset_step()
             return
@@ -861,18 +864,26 @@ class Reducer:
             for future in futures:
                 future.wait()
             dist.all_reduce(flags, group=self.process_group)
-        error, _, _ = self._check_flags(counts, agreement, False)
+        error, _, joined = self._check_flags(counts, agreement, False)
+        if error is None and joined:
+            # Parameters now trainable on every rank (this one unfroze them before joining):
+            # match the extra all-reduce of the others, contributing nothing, and adopt them.
+            error = self._reduce_joined(joined, contribute=False)
         if error is not None:
             raise RuntimeError(error)
-        if self._observed is not None:
+        if joined:
+            self._adopt(sorted(self._members + joined))
+        elif self._observed is not None:
             self._rebuild_from_observed()
 
-    def _reduce_joined(self, joined: list[int]) -> str | None:
+    def _reduce_joined(self, joined: list[int], contribute: bool = True) -> str | None:
         """Average the gradients of parameters that just became trainable on every rank.
 
         They have no bucket slot yet, so they travel in one extra all-reduce per dtype,
         each with one more element counting the ranks that produced a gradient for it. A
-        parameter no rank produced a gradient for keeps ``.grad`` untouched.
+        parameter no rank produced a gradient for keeps ``.grad`` untouched. A rank that has
+        joined (uneven inputs) takes part with ``contribute=False``: zeros, no gradient, and
+        its own ``.grad`` left alone.
         """
         sparse = [self._all_names[j] for j in joined if self._all_names[j] in self._sparse_names]
         if sparse:
@@ -883,22 +894,31 @@ class Reducer:
                 "after unfreezing them."
             )
         params = [self._all_params[j] for j in joined]
+        grads = [p.grad if contribute else None for p in params]
         averages = [
-            torch.mul(p.grad, 1.0 / self.world_size) if p.grad is not None else torch.zeros_like(p)
-            for p in params
+            torch.mul(g, 1.0 / self._divisor) if g is not None else torch.zeros_like(p)
+            for p, g in zip(params, grads, strict=True)
         ]
-        produced = [
-            torch.full((1,), float(p.grad is not None), dtype=p.dtype, device=p.device)
-            for p in params
+        # Per parameter: the ranks that produced a gradient, and those still training that
+        # did not (a joined rank counts in neither).
+        counts = [
+            torch.tensor(
+                [float(g is not None), float(contribute and g is None)],
+                dtype=p.dtype,
+                device=p.device,
+            )
+            for p, g in zip(params, grads, strict=True)
         ]
-        all_reduce_coalesced([*averages, *produced], dist.ReduceOp.SUM, self.process_group)
+        all_reduce_coalesced([*averages, *counts], dist.ReduceOp.SUM, self.process_group)
         missing: list[str] = []
-        for j, p, avg, ranks in zip(joined, params, averages, produced, strict=True):
-            count = ranks.item()
-            if count == 0:
+        for j, p, avg, summed in zip(joined, params, averages, counts, strict=True):
+            produced, missed = summed.tolist()
+            if produced == 0:
                 continue
-            if count < self.world_size and not self.find_unused_parameters:
+            if missed > 0 and not self.find_unused_parameters:
                 missing.append(self._all_names[j])
+            elif not contribute:
+                continue
             elif p.grad is None:
                 p.grad = avg
             else:

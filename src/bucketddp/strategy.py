@@ -265,7 +265,7 @@ class BucketDDP(DDPStrategy):
         wrapped = self._wrapped
         module = self.lightning_module
         if wrapped is not None and module is not None and not module.automatic_optimization:
-            wrapped.prepare_for_backward()
+            wrapped.prepare_for_backward(closure_loss)
 
     # ---------------------------------------------------------------- buffer syncs
     def _sync_buffers(self) -> None:
