@@ -604,6 +604,14 @@ def _vs_ddp_worker(rank: int, world: int) -> dict[str, Any]:
     theirs = DistributedDataParallel(copy.deepcopy(base))
     runs = [(ours, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)),
             (theirs, torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9))]  # fmt: skip
+    for model, _ in runs:
+        # An evaluation before training, under inference mode: the first buffer sync runs
+        # there. Before, its flat buffer was an inference tensor that the next sync, outside
+        # inference mode, could not write to.
+        model.eval()
+        with torch.inference_mode():
+            model(torch.randn(4, 6, generator=torch.Generator().manual_seed(rank)))
+        model.train()
     for step in range(8):
         x = torch.randn(16, 6, generator=torch.Generator().manual_seed(10 * step + rank))
         for model, opt in runs:
@@ -639,6 +647,27 @@ def test_default_broadcast_matches_torch_ddp_exactly(vs_ddp: list[dict[str, Any]
             for name, theirs in r["theirs"][kind].items():
                 ours = r["ours"][kind][name]
                 assert torch.equal(ours, theirs), f"rank {rank} {kind} {name}"
+
+
+def _inference_first(rank: int, world: int) -> dict[str, torch.Tensor]:
+    model = BNNet()
+    rules = {"body.*.running_*": "mean", "body.*.num_batches_tracked": "sum"}
+    wrapped = BucketDataParallel(model, buffer_sync=rules)
+    with torch.inference_mode():
+        wrapped.sync_buffers()  # the first sync of each group, in inference mode
+    for step in range(2):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        wrapped(x).square().mean().backward()
+    wrapped.sync_buffers()
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+def test_policies_first_synced_under_inference_mode_keep_working() -> None:
+    r0, r1 = run_ranks(_inference_first, 2, timeout=TIMEOUT)
+    for name, value in r0.items():
+        assert torch.equal(value, r1[name]), name
+    # Two forwards on each of two ranks, counted once each: the "sum" baseline held.
+    assert int(r0["body.1.num_batches_tracked"]) == 4
 
 
 def test_ranks_buffers_differ_after_the_last_local_forward(vs_ddp: list[dict[str, Any]]) -> None:

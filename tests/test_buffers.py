@@ -174,8 +174,12 @@ def test_mean_on_integer_buffer_names_the_buffer() -> None:
 def test_other_impossible_dtype_policies() -> None:
     with pytest.raises(ValueError, match=r"'flag'.*cannot be summed"):
         resolve_policies({"flag": torch.bool}, rules={"flag": "sum"})
-    with pytest.raises(ValueError, match=r"'z'.*has no order"):
+    with pytest.raises(ValueError, match=r"'z'.*has no order.*e\.g\. \{'z': 'mean'\}"):
         resolve_policies({"z": torch.complex64}, rules={"z": "max"})
+    # The suggested rule works (before, the message suggested the failing 'max' again).
+    assert resolve_policies({"z": torch.complex64}, rules={"z": "mean"}) == {"z": "mean"}
+    with pytest.raises(ValueError, match=r"e\.g\. \{'flag': 'max'\}"):
+        resolve_policies({"flag": torch.bool}, rules={"flag": "sum"})
     # bool works with max/min (any/all); integers with everything but mean.
     assert resolve_policies({"flag": torch.bool}, default="max") == {"flag": "max"}
     for name in ("broadcast", "sum", "max", "min", "none"):

@@ -147,9 +147,18 @@ def _check_dtype(name: str, policy: Policy, dtype: torch.dtype) -> None:
     if problem is not None:
         raise ValueError(
             f"buffer {name!r} has dtype {dtype}, which {problem} (policy {policy!r}); give it "
-            f"its own rule in buffer_sync, e.g. {{{name!r}: 'max'}} or 'broadcast', or a "
-            "custom function"
+            f"its own rule in buffer_sync, e.g. {{{name!r}: {_fitting(policy, dtype)!r}}} or "
+            "'broadcast', or a custom function"
         )
+
+
+def _fitting(policy: str, dtype: torch.dtype) -> str:
+    """A reducing policy that works for ``dtype`` (to suggest in place of ``policy``).
+
+    The only failing policies are a mean of integers or booleans, a sum of booleans and an
+    order of complex numbers.
+    """
+    return "mean" if dtype.is_complex else "max"
 
 
 def _lookup(name: str, layers: list[tuple[str, dict[str, Policy]]]) -> Policy | None:
@@ -380,9 +389,10 @@ class BufferSync:
         Args:
             names: the buffers to reset; every ``"sum"`` buffer if None.
         """
-        for name in self.policies if names is None else names:
-            if self.policies[name] == "sum":
-                self._baseline[name] = self._get(name).detach().clone()
+        with torch.inference_mode(False):  # kept for later syncs, as in ``sync``
+            for name in self.policies if names is None else names:
+                if self.policies[name] == "sum":
+                    self._baseline[name] = self._get(name).detach().clone()
 
     def buffers_from_rank0(self) -> list[torch.Tensor]:
         """The buffers that must start from rank 0's value when the model is wrapped.
@@ -424,8 +434,14 @@ class BufferSync:
         # to come may have saved a buffer (BatchNorm saves its running statistics), and a
         # second forward before that backward (two inputs through one model, an evaluation
         # forward) syncs the buffers again. The backward then runs on the synced values.
+        # Outside inference mode even when called inside it (an evaluation loop): the flat
+        # buffers and "sum" baselines made here are kept for later syncs, and an inference
+        # tensor could not be written to outside inference mode.
         by_group = [[self._get(n) for n in g.names] for g in self.groups]
-        with _preserve_versions(tuple(t for tensors in by_group for t in tensors)):
+        with (
+            torch.inference_mode(False),
+            _preserve_versions(tuple(t for tensors in by_group for t in tensors)),
+        ):
             return self._sync_groups(by_group, src, ranks, contribute)
 
     def _sync_groups(
