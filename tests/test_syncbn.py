@@ -451,10 +451,13 @@ def test_root_module_and_directly_built_layers():
     direct(torch.randn(4, 3, 2, 2))
     with pytest.raises(ValueError, match="at least 2"):
         direct(torch.randn(3))
-    # With no original class it becomes torch's SyncBatchNorm, which also takes any dims.
-    back = revert_sync_batchnorm(direct)
-    assert type(back) is nn.SyncBatchNorm and back.momentum is None
-    assert torch.equal(back.num_batches_tracked, torch.tensor(2))
+    # Not converted, so not reverted either: convert then revert leaves it as it was (as
+    # Lightning's sync_batchnorm=True does around fit). Before, it became torch's
+    # SyncBatchNorm, which fails on CPU in a process group.
+    model = nn.Sequential(nn.BatchNorm1d(3), direct)
+    back = revert_sync_batchnorm(convert_sync_batchnorm(model))
+    assert type(back[0]) is nn.BatchNorm1d and back[1] is direct
+    assert revert_sync_batchnorm(direct) is direct
 
 
 def test_hooks_and_own_attributes_survive_the_round_trip():
@@ -473,9 +476,19 @@ def test_hooks_and_own_attributes_survive_the_round_trip():
     back(torch.randn(4, 3))
     assert calls == ["SyncBatchNorm", "BatchNorm1d"]
     assert back.note == "mine" and (back.bias is None) == no_bias
-    # The two objects never share a registry: a hook added to one stays there.
-    back.register_forward_pre_hook(lambda mod, args: None)
-    assert len(back._forward_pre_hooks) == 1 and len(sync._forward_pre_hooks) == 0
+    # A handle taken before the round trip still removes its hook (before, the hook dicts
+    # were copies, and the hook kept firing).
+    handle = back.register_forward_pre_hook(lambda mod, args: calls.append("pre"))
+    sync = convert_sync_batchnorm(back)
+    back = revert_sync_batchnorm(sync)
+    back(torch.randn(4, 3))
+    handle.remove()
+    back(torch.randn(4, 3))
+    sync(torch.randn(4, 3))
+    assert calls[2:] == ["pre", "BatchNorm1d", "BatchNorm1d", "SyncBatchNorm"]
+    # Parameters and buffers stay apart: registering one on a layer leaves the other alone.
+    back.register_buffer("extra", torch.zeros(1))
+    assert "extra" not in dict(sync.named_buffers())
 
 
 def test_lazy_layers_must_be_materialized_first():

@@ -286,12 +286,14 @@ def _rebuild_as(module: _BatchNorm, cls: type[BN]) -> BN:
     """A ``cls`` instance carrying ``module``'s whole state: the same Parameter and buffer
     objects, requires_grad, training flag, hooks and any attributes of its own.
 
-    The registries (parameters, buffers, hooks) are copied one level deep, so that adding to
-    one module later never changes the other.
+    The hook registries are the same dicts, so that a handle taken before (from
+    ``register_forward_hook``, say) still removes its hook. The other registries
+    (parameters, buffers, submodules) are copied one level deep.
     """
     new = cls.__new__(cls)
     for key, value in module.__dict__.items():
-        new.__dict__[key] = copy.copy(value) if isinstance(value, (dict, set)) else value
+        shared = "hooks" in key or not isinstance(value, (dict, set))
+        new.__dict__[key] = value if shared else copy.copy(value)
     return new
 
 
@@ -349,16 +351,16 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     The inverse of ``convert_sync_batchnorm``: each layer gets back the class it was
     converted from (BatchNorm1d/2d/3d, a subclass, or ``torch.nn.SyncBatchNorm`` with its
     process group), with the same parameters, buffers, training flag and dimension check,
-    so ``state_dict()`` is unchanged. A layer built directly as ``SyncBatchNorm`` has no
-    original class and becomes ``torch.nn.SyncBatchNorm``, the one torch class that, like
-    it, accepts inputs of any dimensionality and behaves as BatchNorm in a single process.
-    ``module`` is changed in place.
+    so ``state_dict()`` is unchanged. A layer built directly as ``SyncBatchNorm`` was not
+    converted, so it stays as it is. ``module`` is changed in place.
 
     Returns:
-        ``module``, or its replacement when ``module`` itself is a SyncBatchNorm.
+        ``module``, or its replacement when ``module`` itself is a converted SyncBatchNorm.
     """
     if isinstance(module, SyncBatchNorm):
-        origin = module.converted_from or nn.SyncBatchNorm
+        origin = module.converted_from
+        if origin is None:
+            return module
         new = _rebuild_as(module, origin)
         del new.__dict__["converted_from"]
         if not issubclass(origin, nn.SyncBatchNorm):
