@@ -182,6 +182,33 @@ def _misuse(rank: int, world: int) -> dict[str, str]:
     return said
 
 
+def _short_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """Returns a future holding a tensor of the wrong size."""
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(torch.zeros(10))
+    return future
+
+
+def _short_under_join(rank: int, world: int) -> str:
+    model = BucketDataParallel(build("mlp"))
+    model.register_comm_hook(None, _short_hook)
+
+    def train() -> None:
+        with model.join():  # rank 0 has no batch: it joins at once, shadowing rank 1's step
+            if rank == 1:
+                x, y = batch("mlp", 0, rank)
+                F.mse_loss(model(x), y).backward()
+
+    return raised(train)
+
+
+def test_a_wrong_hook_result_raises_on_every_rank_under_join() -> None:
+    # Before, the rank that had joined did not check its hooks' futures: it went on to the
+    # flags' all-reduce alone while the training rank raised.
+    for said in run_ranks(_short_under_join, 2, timeout=60):
+        assert "its future holds a tensor of 10 elements" in said
+
+
 def test_hook_misuse_is_named() -> None:
     for said in run_ranks(_misuse, 2, timeout=60):
         assert "can be called once per wrapper" in said["twice"]

@@ -103,3 +103,31 @@ def test_copies_leave_the_original_alone_and_own_groups_refuse() -> None:
         assert r["copy_seen"] == 3 + 1 + 1
         assert "cannot be copied or pickled" in r["own_group"]
         assert "Copy model.module instead" in r["own_group"]
+
+
+def _save(rank: int, world: int) -> bytes:
+    buf = io.BytesIO()
+    torch.save(BucketDataParallel(build("mlp"), find_unused_parameters=True), buf)
+    return buf.getvalue()
+
+
+def _replace_after_loading(rank: int, world: int, saved: list[bytes]) -> str:
+    # A fresh process that never built a wrapper itself.
+    model = torch.load(io.BytesIO(saved[rank]), weights_only=False)
+    _steps_mlp(model, rank)
+    model.module.net[4] = nn.Linear(32, 4)  # on every rank
+    return raised(lambda: _steps_mlp(model, rank))
+
+
+def _steps_mlp(model: nn.Module, rank: int) -> None:
+    x, y = batch("mlp", 0, rank)
+    F.mse_loss(model(x), y).backward()
+
+
+def test_a_wrapper_loaded_in_a_new_process_still_notices_replaced_layers() -> None:
+    # Before, the registration counter was started only by a wrapper's __init__, so in a
+    # process that only loaded one the check was off: each rank trained the new layer on
+    # its own gradient.
+    saved = run_ranks(_save, 2, timeout=60)
+    for said in run_ranks(_replace_after_loading, 2, saved, timeout=60):
+        assert "the wrapped module gained parameters after wrapping, on 2 of 2 ranks" in said

@@ -333,6 +333,9 @@ class BucketDataParallel(nn.Module, Joinable):
         self.buffers_sync.world_size = self.reducer.world_size  # torch.load: maybe another
         if order is not None:
             self.reducer.load_order(order)
+        # torch.load in a new process: the module-change check needs its counter there too.
+        _structure.watch()
+        self._registrations = _structure.registrations()
 
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters this wrapper synchronizes: all but the ignored ones."""

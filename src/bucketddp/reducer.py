@@ -857,12 +857,12 @@ class Reducer:
             for work in works:
                 work.wait()
         else:
-            futures = [
-                self._call_hook(k, storage[: bucket.grads.numel()])
-                for k, (bucket, storage) in enumerate(zip(self._buckets, storages, strict=True))
-            ]
-            for future in futures:
-                future.wait()
+            grads = [s[: b.grads.numel()] for b, s in zip(self._buckets, storages, strict=True)]
+            futures = [self._call_hook(k, g) for k, g in enumerate(grads)]
+            for future, g in zip(futures, grads, strict=True):
+                # Checked as on the ranks still training, which raise before the flags'
+                # all-reduce: this rank must not reach it alone.
+                hook_result(future.wait(), g, self._comm_hook[1])
             dist.all_reduce(flags, group=self.process_group)
         error, _, joined = self._check_flags(counts, agreement, False)
         if error is None and joined:
