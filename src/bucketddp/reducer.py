@@ -261,7 +261,11 @@ class Reducer:
         buckets: list[_Bucket] = []
         views: list[torch.Tensor] = [torch.empty(0)] * n
         bucket_of: list[_Bucket] = [None] * n  # type: ignore[list-item]
-        extra = n + len(self._all_params) + 1  # the flags, at the end of the last bucket
+        # The flags, at the end of the last bucket: one row of them per group of ranks small
+        # enough that the bucket's dtype counts it exactly (see _flag_rows).
+        width = n + len(self._all_params) + 1
+        rows = _flag_rows(plan[-1].dtype if plan else torch.float32, self.world_size)
+        extra = rows * width
         riders = len(self._sparse)
         for k, spec in enumerate(plan if self._communicates else ()):
             is_last = k == len(plan) - 1
@@ -297,14 +301,15 @@ class Reducer:
             # gradient, and last the ranks whose module gained parameters after wrapping.
             flags = buckets[-1].flags
             assert flags is not None
-            self._counts, self._agreement = flags[:n], flags[n:]
+            self._flag_table = flags.view(-1, width)
+            mine = self._flag_table[self.rank % len(self._flag_table)]
+            self._counts, self._agreement = mine[:n], mine[n:]
             # What the agreement part holds, before and after the sum, when exactly the
             # planned parameters require a gradient on every rank and no module changed.
-            last = buckets[-1].storage
-            mask = torch.zeros(len(self._all_params) + 1, dtype=last.dtype, device=last.device)
+            mask = torch.zeros(len(self._all_params) + 1, dtype=flags.dtype, device=flags.device)
             mask[self._members] = 1
             self._agreed = mask
-            self._agreed_summed = mask * self.world_size
+            self._agreed_summed = _summed(mask) * self.world_size
         if self.rank == 0:
             log.debug("bucketddp plan: %s", plan.describe())
 
@@ -650,6 +655,8 @@ class Reducer:
     def _write_flags(self) -> None:
         n = len(self._params)
         counts, agreement = self._counts, self._agreement
+        if len(self._flag_table) > 1:
+            self._flag_table.zero_()  # the other rows: last step's sums
         if self.find_unused_parameters:
             if all(self._used):
                 counts.fill_(1)
@@ -763,8 +770,8 @@ class Reducer:
             buckets=len(self._buckets),
         )
 
-        counts = self._counts
-        error, frozen, joined = self._check_flags(counts, self._agreement, bool(locally_missing))
+        counts, agreement = self._read_flags(self._flag_table)
+        error, frozen, joined = self._check_flags(counts, agreement, bool(locally_missing))
         if error is not None:
             return error, []
         if not self.find_unused_parameters:
@@ -801,6 +808,12 @@ class Reducer:
             if self._ready[i]:
                 self._stage(i, p)
         self._expected_fires = list(self._fires)
+
+    def _read_flags(self, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summed flags, rows added up in float64: (counts, agreement)."""
+        total = _summed(table).sum(0)
+        n = len(self._params)
+        return total[:n], total[n:]
 
     def _check_flags(
         self, counts: torch.Tensor, agreement: torch.Tensor, missing_here: bool
@@ -845,8 +858,8 @@ class Reducer:
         n = len(self._params)
         last = self._buckets[-1]
         flags = storages[-1][last.grads.numel() :]
-        counts, agreement = flags[:n], flags[n:]
-        self._write_local_agreement(agreement)
+        table = flags.view(len(self._flag_table), -1)
+        self._write_local_agreement(table[self.rank % len(table)][n:])
         if self._comm_hook is None:
             # The sparse gradients' all-reduces come just before the last bucket's.
             sparse = [_empty_sparse(self._params[i]) for i in self._sparse]
@@ -864,7 +877,7 @@ class Reducer:
                 # all-reduce: this rank must not reach it alone.
                 hook_result(future.wait(), g, self._comm_hook[1])
             dist.all_reduce(flags, group=self.process_group)
-        error, _, joined = self._check_flags(counts, agreement, False)
+        error, _, joined = self._check_flags(*self._read_flags(table), False)
         if error is None and joined:
             # Parameters now trainable on every rank (this one unfroze them before joining):
             # match the extra all-reduce of the others, contributing nothing, and adopt them.
@@ -1039,6 +1052,23 @@ class Reducer:
         self._handles = []
         self._watch_handles = {}
         self._changed_handles = []
+
+
+def _flag_rows(dtype: torch.dtype, world_size: int) -> int:
+    """How many rows of flags a bucket of ``dtype`` needs to count ``world_size`` ranks.
+
+    The flags are sums of ones over ranks, and a float counts exactly only up to 2 / eps
+    (256 in bfloat16, 2048 in float16): beyond, rank ``r`` writes its flags in row
+    ``r % rows``, and the rows are added up in float64 after the all-reduce.
+    """
+    real = dtype.to_real() if dtype.is_complex else dtype
+    exact = int(2 / torch.finfo(real).eps)
+    return -(-world_size // exact)
+
+
+def _summed(flags: torch.Tensor) -> torch.Tensor:
+    """``flags`` as float64 (the real part of complex ones), to read sums of counts."""
+    return (flags.real if flags.is_complex() else flags).to(torch.float64)
 
 
 def _slots(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
