@@ -328,6 +328,17 @@ def assert_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], 
         )
 
 
+def split_flags(rows: Callable[[int], int]) -> None:
+    """In this rank's process, write the reducer's flags in ``rows(world_size)`` rows.
+
+    bfloat16 counts ranks exactly only up to 256: past that the flags are split in rows.
+    Forcing the rows lets that path run at a world size this machine can hold.
+    """
+    import bucketddp.reducer as reducer_module
+
+    reducer_module._flag_rows = lambda dtype, world_size: rows(world_size)  # type: ignore[assignment]
+
+
 def paired(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """Two ``train`` results side by side: parameters and buffers, (ours, theirs) each."""
     return {k: (ours[k], theirs[k]) for k in ("params", "buffers")}

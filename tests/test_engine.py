@@ -19,7 +19,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
 from bucketddp.parallel import input_device, to_device
-from models import assert_pairs_match, assert_weights, batch, build, paired, train, train_global
+from models import (
+    assert_pairs_match,
+    assert_weights,
+    batch,
+    build,
+    paired,
+    split_flags,
+    train,
+    train_global,
+)
 from multirank import RankError, raised, run_ranks
 
 TINY = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005}  # ~500 and ~130 floats
@@ -351,12 +360,8 @@ def test_unused_parameter_error_is_prompt_and_on_every_rank() -> None:
 
 
 def _rows_forced(rank: int, world: int, case: str) -> Any:
-    # bfloat16 counts ranks exactly only up to 256 (float16 to 2048): past that, each rank
-    # writes its flags in row rank % rows and the rows are added up in float64. Force two
-    # rows here, so that the path runs at a world size this machine can hold.
-    import bucketddp.reducer as reducer_module
-
-    reducer_module._flag_rows = lambda dtype, world_size: min(2, world_size)  # type: ignore[assignment]
+    # Each rank writes its flags in row rank % rows, added up in float64 after the sum.
+    split_flags(lambda world_size: min(2, world_size))
     if case == "unused_error":
         return _unused_error(rank, world)
     return _compare(rank, world, *CASES[case])

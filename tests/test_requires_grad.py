@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from bucketddp import BucketDataParallel
-from models import batch, build
+from models import batch, build, split_flags
 from multirank import run_ranks
 
 Schedule = Callable[[int, int], bool]  # (rank, step) -> does the switched group require grad
@@ -169,9 +169,7 @@ CASES: dict[str, tuple[str, Schedule, dict[str, Any], dict[str, Any]]] = {
 
 def _train_in_rows(rank: int, world: int, *args: Any, **kw: Any) -> dict[str, Any]:
     """``_train`` with each rank's flags in a row of its own, as past 256 ranks in bfloat16."""
-    import bucketddp.reducer as reducer_module
-
-    reducer_module._flag_rows = lambda dtype, world_size: world_size  # type: ignore[assignment]
+    split_flags(lambda world_size: world_size)
     return _train(rank, world, *args, **kw)
 
 

@@ -147,13 +147,13 @@ def _check_dtype(name: str, policy: Policy, dtype: torch.dtype) -> None:
     if problem is not None:
         raise ValueError(
             f"buffer {name!r} has dtype {dtype}, which {problem} (policy {policy!r}); give it "
-            f"its own rule in buffer_sync, e.g. {{{name!r}: {_fitting(policy, dtype)!r}}} or "
+            f"its own rule in buffer_sync, e.g. {{{name!r}: {_fitting(dtype)!r}}} or "
             "'broadcast', or a custom function"
         )
 
 
-def _fitting(policy: str, dtype: torch.dtype) -> str:
-    """A reducing policy that works for ``dtype`` (to suggest in place of ``policy``).
+def _fitting(dtype: torch.dtype) -> str:
+    """A reducing policy that works for ``dtype``, to suggest in place of one that does not.
 
     The only failing policies are a mean of integers or booleans, a sum of booleans and an
     order of complex numbers.

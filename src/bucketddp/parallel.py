@@ -195,8 +195,9 @@ class BucketDataParallel(nn.Module, Joinable):
         elif self._sync_buffers_next:
             self.buffers_sync.sync()
         self.reducer.watch_requires_grad()
-        self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
-        if torch.is_grad_enabled():
+        grad_enabled = torch.is_grad_enabled()
+        self._sync_buffers_next = grad_enabled and self.reducer.sync_enabled
+        if grad_enabled:
             self.reducer.arm()
 
     def _join_step(self) -> None:

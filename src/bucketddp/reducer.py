@@ -522,8 +522,9 @@ class Reducer:
                 "did not have sparse=True when it was wrapped; set sparse=True on the "
                 "nn.Embedding or nn.EmbeddingBag before wrapping (or wrap it again)"
             )
-        if grad._base is not None:
-            self._check_not_staged_elsewhere(i, grad._base)
+        base = grad._base
+        if base is not None:
+            self._check_not_staged_elsewhere(i, base)
         if grad.dtype != view.dtype:
             raise RuntimeError(
                 f"parameter {self._names[i]!r} now has a {grad.dtype} gradient, but it was "
