@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bucketddp.buckets import MB, ParamInfo, plan_buckets
+from bucketddp.buckets import MB, ParamInfo, cap_bytes, check_bucket_sizes, plan_buckets
 
 CPU = torch.device("cpu")
 
@@ -80,6 +80,28 @@ def test_bad_inputs_are_named() -> None:
         plan_buckets([p("a", 1), p("a", 2)], cap_bytes=1, first_cap_bytes=1)
     with pytest.raises(ValueError, match="unknown parameters \\['z'\\]"):
         plan_buckets([p("a", 1)], cap_bytes=1, first_cap_bytes=1, order=["z"])
+
+
+def test_bucket_sizes_are_checked_and_none_means_torch_ddp_default() -> None:
+    assert check_bucket_sizes(None, 1) == (25.0, 1.0)
+    assert check_bucket_sizes(0.5, 1e-9) == (0.5, 1e-9)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="bucket_cap_mb must be a positive, finite"):
+            check_bucket_sizes(bad, 1.0)
+    with pytest.raises(ValueError, match="first_bucket_mb must be a positive, finite"):
+        check_bucket_sizes(25.0, 0.0)
+    for bad_type in ("25", True):
+        with pytest.raises(TypeError, match="bucket_cap_mb must be a number of megabytes"):
+            check_bucket_sizes(bad_type, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="first_bucket_mb"):
+        check_bucket_sizes(25.0, None)  # type: ignore[arg-type]
+
+
+def test_tiny_sizes_round_up_to_one_byte() -> None:
+    assert cap_bytes(1e-9) == 1
+    assert cap_bytes(1.0) == MB
+    plan = plan_buckets([p("a", 2), p("b", 3)], cap_bytes=cap_bytes(1e-9), first_cap_bytes=1)
+    assert [b.names for b in plan] == [("b",), ("a",)]
 
 
 def test_describe_mentions_every_bucket() -> None:

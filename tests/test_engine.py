@@ -527,6 +527,25 @@ def test_bad_bucket_size_is_rejected() -> None:
         run_ranks(_bad_cap, 2, timeout=30)
 
 
+@pytest.mark.parametrize(
+    ("caps", "per_bucket"),
+    [
+        # torch DDP's own default value: 25 MB, one bucket for the whole small MLP here.
+        ({"bucket_cap_mb": None, "first_bucket_mb": 25.0}, None),
+        # Below one gradient's size, as torch DDP accepts: a bucket per parameter.
+        ({"bucket_cap_mb": 1e-7, "first_bucket_mb": 1e-7}, 1),
+    ],
+)
+def test_torch_ddp_bucket_sizes_are_accepted(caps: dict[str, Any], per_bucket: int | None) -> None:
+    results = run_ranks(_compare, 2, "mlp", caps, {})
+    _assert_same(results)
+    plan = results[0]["plan"]
+    if per_bucket is None:
+        assert len(plan) == 1
+    else:
+        assert len(plan) > 1 and all(len(names) == per_bucket for names in plan)
+
+
 def _bad_cap(rank: int, world: int) -> None:
     BucketDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=0)
 

@@ -6,12 +6,15 @@ turns a plan into storage and collectives.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 MB = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's, also what its bucket_cap_mb=None means
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,30 @@ class BucketPlan:
         return "\n".join(lines)
 
 
-def check_bucket_sizes(bucket_cap_mb: float, first_bucket_mb: float) -> None:
-    """Raise ValueError unless both bucket sizes are positive, naming the options."""
-    if not (bucket_cap_mb > 0 and first_bucket_mb > 0):
-        raise ValueError(
-            f"bucket_cap_mb ({bucket_cap_mb}) and first_bucket_mb ({first_bucket_mb}) "
-            "must be positive"
-        )
+def check_bucket_sizes(bucket_cap_mb: float | None, first_bucket_mb: float) -> tuple[float, float]:
+    """Check both bucket sizes and return them in MB.
+
+    ``bucket_cap_mb=None`` means torch DDP's default, 25 MB, as it does there.
+
+    Raises:
+        TypeError: a size that is not a number.
+        ValueError: a size that is not positive and finite.
+    """
+    cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+    for name, value in (("bucket_cap_mb", cap), ("first_bucket_mb", first_bucket_mb)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"{name} must be a number of megabytes (25.0, say), got "
+                f"{type(value).__name__} {value!r}"
+            )
+        if not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a positive, finite number of megabytes, got {value}")
+    return float(cap), float(first_bucket_mb)
+
+
+def cap_bytes(megabytes: float) -> int:
+    """A bucket size in bytes, at least one: a tiny size means one parameter per bucket."""
+    return max(1, int(megabytes * MB))
 
 
 def _itemsize(dtype: torch.dtype) -> int:

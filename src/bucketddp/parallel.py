@@ -38,7 +38,8 @@ class BucketDataParallel(nn.Module, Joinable):
     Args:
         module: the model, already on its device; the same model on every rank.
         process_group: the group to reduce over; the default group if None.
-        bucket_cap_mb: a bucket is launched once it holds this many MB of gradients.
+        bucket_cap_mb: a bucket is launched once it holds this many MB of gradients (None:
+            25, torch DDP's default, as there).
         first_bucket_mb: the cap of the first bucket, kept small so that communication
             starts early in backward.
         find_unused_parameters: allow parameters that get no gradient in a step (control
@@ -83,7 +84,7 @@ class BucketDataParallel(nn.Module, Joinable):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = 25.0,
         first_bucket_mb: float = 1.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
@@ -109,7 +110,7 @@ class BucketDataParallel(nn.Module, Joinable):
                 "BucketDataParallel needs a process group: call "
                 "torch.distributed.init_process_group() before wrapping the model"
             )
-        check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
+        bucket_cap_mb, first_bucket_mb = check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
         check_initialized(module)
         default_buffer_policy = buffer_default(
             broadcast_buffers, forward_sync_buffers, default_buffer_policy

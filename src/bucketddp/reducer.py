@@ -41,7 +41,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from .buckets import MB, BucketPlan, ParamInfo, plan_buckets
+from .buckets import BucketPlan, ParamInfo, cap_bytes, plan_buckets
 from .comm import all_reduce_coalesced
 from .comm_hooks import CommHook, GradBucket, call_after, hook_result, run_hook
 
@@ -178,8 +178,8 @@ class Reducer:
         # ``join(divide_by_initial_world_size=False)`` the ranks still training.
         self._divisor = self.world_size
         self._scale = 1.0 / self.world_size
-        self._cap_bytes = int(bucket_cap_mb * MB)
-        self._first_cap_bytes = int(first_bucket_mb * MB)
+        self._cap_bytes = cap_bytes(bucket_cap_mb)
+        self._first_cap_bytes = cap_bytes(first_bucket_mb)
         self._queued = False
         self._outside_touched = False  # a parameter outside the plan got a gradient
         self._handles: list[RemovableHandle] = []

@@ -89,7 +89,8 @@ class BucketDDP(DDPStrategy):
     parameters and buffers are broadcast from rank 0, as with ``DDPStrategy``.
 
     Args:
-        bucket_cap_mb: a gradient bucket is launched once it holds this many MB.
+        bucket_cap_mb: a gradient bucket is launched once it holds this many MB (None: 25,
+            as for torch DDP).
         first_bucket_mb: the cap of the first bucket, small so communication starts early.
         find_unused_parameters: allow parameters that get no gradient in a step.
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket.
@@ -130,7 +131,7 @@ class BucketDDP(DDPStrategy):
     def __init__(
         self,
         *,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = 25.0,
         first_bucket_mb: float = 1.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
@@ -154,7 +155,7 @@ class BucketDDP(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
+        bucket_cap_mb, first_bucket_mb = check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
         self._comm_hook = _comm_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         _check_averaging(ddp_comm_state, model_averaging_period)
         # Raises on contradicting buffer options or an unknown policy name.
