@@ -108,28 +108,66 @@ def test_world_size_1_raises_too() -> None:
     assert "on 1 of 1 ranks (here: replaced net.4.weight" in result["errors"][0][1]
 
 
-def _convert_dtype(rank: int, world: int) -> list[str]:
+def _convert_dtype(rank: int, world: int, set_to_none: bool) -> list[str]:
     model = build("mlp")
     wrapped = BucketDataParallel(model)
     errors = []
     for step in range(2):
         x, y = batch("mlp", step, rank)
         if step == 1:
+            # With gradients kept (set_to_none=False), .double() converts them too, setting
+            # .data of each: the bucket views then hold memory outside their buckets.
             model.double()
             x, y = x.double(), y.double()
         try:
             F.mse_loss(wrapped(x), y).backward()
         except RuntimeError as e:
             errors.append(str(e))
-        model.zero_grad()
+        model.zero_grad(set_to_none=set_to_none)
     return errors
 
 
-def test_dtype_conversion_after_wrapping_is_named() -> None:
-    for errors in run_ranks(_convert_dtype, 2, timeout=60):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_dtype_conversion_after_wrapping_is_named(set_to_none: bool) -> None:
+    for errors in run_ranks(_convert_dtype, 2, set_to_none, timeout=60):
         assert len(errors) == 1
         assert "now has a torch.float64 gradient, but it was torch.float32" in errors[0]
         assert "before wrapping it" in errors[0]
+
+
+def _rank_or_global_batch(name: str, step: int, rank: int, world: int) -> Any:
+    """Rank ``rank``'s batch; with ``world`` 0, the global batch of two ranks."""
+    if world:
+        return batch(name, step, rank)
+    return (torch.cat(t) for t in zip(batch(name, step, 0), batch(name, step, 1), strict=True))
+
+
+def _channels_last_midway(rank: int, world: int, set_to_none: bool) -> dict[str, torch.Tensor]:
+    """Four steps of the conv net, turned channels_last after step 1's backward, while
+    its gradients exist; world 0 means one process on the global batch (the ground truth)."""
+    model = build("conv")
+    model.features[1] = nn.Identity()  # no BatchNorm: a rank's statistics are not global
+    wrapped = BucketDataParallel(model) if world else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(4):
+        x, y = _rank_or_global_batch("conv", step, rank, world)
+        F.mse_loss(wrapped(x), y).backward()
+        if step == 1:
+            model.to(memory_format=torch.channels_last)
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    assert not model.features[0].weight.is_contiguous()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_memory_format_change_after_wrapping_keeps_training_right(set_to_none: bool) -> None:
+    # Before, with bucket views, the conversion moved the gradients out of their buckets:
+    # the ranks then stepped on stale averages plus their own gradient (2.8e-2 apart).
+    truth = _channels_last_midway(0, 0, set_to_none)
+    for ours in run_ranks(_channels_last_midway, 2, set_to_none, timeout=60):
+        for name, want in truth.items():
+            torch.testing.assert_close(ours[name], want, rtol=0, atol=1e-6, msg=name)
 
 
 # ---------------------------------------------------- changes that add no parameter
@@ -158,12 +196,7 @@ def _train_with_changes(rank: int, world: int, remove: bool) -> dict[str, torch.
             _harmless_changes(model)
             if remove:
                 model.net[4].bias = None
-        if world:
-            x, y = batch("mlp", step, rank)
-        else:
-            x, y = (
-                torch.cat(t) for t in zip(batch("mlp", step, 0), batch("mlp", step, 1), strict=True)
-            )
+        x, y = _rank_or_global_batch("mlp", step, rank, world)
         F.mse_loss(wrapped(x), y).backward()
         opt.step()
         opt.zero_grad()

@@ -293,6 +293,8 @@ class Reducer:
                     p.grad = views[i]
         self._buckets = buckets
         self._views = views
+        # Where each slot's memory starts: a view whose pointer moved was rebound elsewhere.
+        self._ptrs = [v.data_ptr() for v in views]
         self._bucket_of = bucket_of
         self.plan = plan
         if buckets:
@@ -509,6 +511,12 @@ class Reducer:
         place is divided. Returns the slot.
         """
         view = self._views[i]
+        if view.data_ptr() != self._ptrs[i]:
+            # The slot's tensor object holds other memory now: a conversion after wrapping
+            # (model.to(memory_format=...), .double()) sets the ``.data`` of every gradient,
+            # and the view was one. The slot gets a new view; a gradient that is still the
+            # old object is copied in from there.
+            view = self._reslot(i)
         if grad is view:
             if self._comm_hook is None:  # a hook averages for itself
                 view.div_(self._divisor)  # accumulated in place, in the slot
@@ -533,6 +541,20 @@ class Reducer:
                 "wrap it again after converting."
             )
         torch.mul(grad, self._scale, out=view)
+        return view
+
+    def _reslot(self, i: int) -> torch.Tensor:
+        """A new view of parameter ``i``'s bucket slot, in the parameter's current layout."""
+        bucket = self._bucket_of[i]
+        offset = 0
+        for j in bucket.members:
+            if j == i:
+                break
+            offset += self._params[j].numel()
+        param = self._params[i]
+        view = _slots(bucket.storage[offset : offset + param.numel()], [param])[0]
+        self._views[i] = view
+        self._ptrs[i] = view.data_ptr()
         return view
 
     def _check_not_staged_elsewhere(self, i: int, base: torch.Tensor) -> None:
