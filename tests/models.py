@@ -114,6 +114,20 @@ class Reentrant(MLP):
         return torch.utils.checkpoint.checkpoint(self.net[2:5], h, use_reentrant=True)
 
 
+class Boxed:
+    """A forward's output in a plain object, which the wrapper's output hooks do not open."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class ReentrantBoxed(Reentrant):
+    """``Reentrant``, its output boxed: no output hook sees the backward start."""
+
+    def forward(self, x: torch.Tensor) -> Boxed:  # type: ignore[override]
+        return Boxed(super().forward(x))
+
+
 class SharedSegments(MLP):
     """One layer runs in two reentrant checkpoint segments: two gradients per backward.
 
@@ -211,6 +225,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "branchy": Branchy,
     "checkpointed": Checkpointed,
     "reentrant": Reentrant,
+    "reentrant_boxed": ReentrantBoxed,
     "shared_segments": SharedSegments,
     "sparse": SparseEmb,
     "sparse_only": SparseOnly,

@@ -9,6 +9,8 @@
 - ``backward(inputs=...)`` on part of the model, with ``find_unused_parameters=True``.
 - ``checkpoint(model, x)``: the wrapper's forward runs again inside the backward. Before,
   it took the backward in progress for a failed one and warned that it discarded it.
+- A forward that returns a plain object, with reentrant checkpoint segments inside: the
+  backward's first gradients come from a nested backward, whose end is not the step's.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def _step(model: nn.Module, name: str, index: int, rank: int, pattern: str, scal
         last = list(getattr(model, "module", model).net[4].parameters())
         (F.mse_loss(model(x), y) * scale).backward(inputs=last)
         return True
+    elif pattern == "boxed_output":
+        loss = F.mse_loss(model(x).value, y)
     elif pattern.startswith("checkpointed_call"):
         # The wrapper's whole forward is recomputed during backward, inside the backward.
         x = x.clone().requires_grad_(True)
@@ -139,6 +143,10 @@ CASES: dict[str, dict[str, Any]] = {
     "eval_forward": {"name": "conv"},
     "checkpointed_call": {"name": "conv"},
     "checkpointed_call_reentrant": {"name": "conv"},
+    # The forward returns a plain object, and its last layers run in a reentrant checkpoint:
+    # the first gradients come from a nested backward. Before, the step ended with it and
+    # raised that the first layers got no gradient.
+    "boxed_output": {"name": "reentrant_boxed"},
     # torch DDP reduces only the first of the two backward passes (its hooks are spent),
     # leaving the second loss's gradient local: the ground truth is one process.
     "two_backwards": {"name": "conv", "ddp": False},

@@ -703,9 +703,17 @@ class Reducer:
     # --------------------------------------------------------------- end of backward
     def _finalize(self) -> None:
         """Runs once at the end of each backward pass that touched a parameter."""
+        node = torch._C._current_autograd_node()
+        if node is not None and self._n_ready < len(self._ready):
+            # The end of a backward nested in another (a reentrant checkpoint segment's)
+            # while gradients are still to come: the callback was queued there because no
+            # output hook queued it in the outer one (the forward returned an object the
+            # hooks do not look into). Finish at the end of the enclosing backward instead.
+            node.register_hook(_Once(self._requeue_finalize))
+            return
         self._queued = False
         touched = self._touched()
-        if touched and torch._C._current_autograd_node() is None:
+        if touched and node is None:
             # Until the next forward (or a backward through its outputs). Not at the end of a
             # backward nested in another (a reentrant checkpoint segment's, when no output
             # hook queued this callback in the outer one): the outer one's gradients follow.
@@ -730,6 +738,10 @@ class Reducer:
             )
         elif self._observed is not None:
             self._rebuild_from_observed()
+
+    def _requeue_finalize(self) -> None:
+        """After the node that ran a nested backward: ``_finalize`` at the outer one's end."""
+        Variable._execution_engine.queue_callback(self._finalize)
 
     def _touched(self) -> bool:
         """Whether a parameter of the module got a gradient in this backward pass.
@@ -1075,6 +1087,20 @@ class Reducer:
         self._handles = []
         self._watch_handles = {}
         self._changed_handles = []
+
+
+class _Once:
+    """A node post-hook that calls ``fn()`` the first time it runs, and never again."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def __call__(self, *_: Any) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
 
 
 def _flag_rows(dtype: torch.dtype, world_size: int) -> int:
