@@ -359,6 +359,34 @@ def test_unused_parameter_error_is_prompt_and_on_every_rank() -> None:
         assert r["elapsed"] < 5.0
 
 
+def _create_graph(rank: int, world: int, view: bool) -> tuple[str, dict[str, torch.Tensor]]:
+    """backward(create_graph=True) raises; the steps after it train as usual."""
+    model = build("mlp")
+    wrapped = BucketDataParallel(model, gradient_as_bucket_view=view)
+    x, y = batch("mlp", 0, rank)
+    message = raised(lambda: F.mse_loss(wrapped(x), y).backward(create_graph=True))
+    model.zero_grad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(2):
+        x, y = batch("mlp", step, rank)
+        F.mse_loss(wrapped(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return message, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("view", [True, False])
+def test_create_graph_is_refused_by_name_on_every_rank(view: bool) -> None:
+    # torch DDP fails here too, with autograd's "a leaf Variable that requires grad is being
+    # used in an in-place operation"; before, ours failed with "mul(): functions with out=...
+    # arguments don't support automatic differentiation".
+    want = train_global("mlp", [2, 2])
+    for rank, (message, params) in enumerate(run_ranks(_create_graph, 2, view, timeout=60)):
+        assert "has a gradient that requires grad: backward(create_graph=True)" in message
+        assert "torch.autograd.grad(" in message
+        assert_weights(params, want, rank)
+
+
 def _rows_forced(rank: int, world: int, case: str) -> Any:
     # Each rank writes its flags in row rank % rows, added up in float64 after the sum.
     split_flags(lambda world_size: min(2, world_size))

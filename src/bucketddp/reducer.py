@@ -59,6 +59,14 @@ _COMPILED_AUTOGRAD = (
     "model, inside or outside the wrapper, is supported."
 )
 
+_CREATE_GRAPH = (
+    "parameter {name!r} has a gradient that requires grad: backward(create_graph=True) is not "
+    "supported, since the bucket all-reduce cannot carry a gradient's own graph (torch DDP "
+    "fails here too). For higher-order terms (a gradient penalty, Hessian-vector products), "
+    "take them with torch.autograd.grad(..., create_graph=True) and call backward() on the "
+    "final loss without create_graph."
+)
+
 
 def _compiled_autograd() -> bool:
     """Whether this backward runs under compiled autograd, where the hooks cannot work.
@@ -540,7 +548,12 @@ class Reducer:
                 "Convert the module (.to(dtype), .double(), .half()) before wrapping it, or "
                 "wrap it again after converting."
             )
-        torch.mul(grad, self._scale, out=view)
+        try:
+            torch.mul(grad, self._scale, out=view)
+        except RuntimeError:
+            if grad.requires_grad:
+                raise RuntimeError(_CREATE_GRAPH.format(name=self._names[i])) from None
+            raise
         return view
 
     def _reslot(self, i: int) -> torch.Tensor:
