@@ -139,8 +139,9 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
     }
     assert s.process_group_backend == "gloo"
     assert s._timeout == timedelta(seconds=30)
-    with pytest.raises(ValueError, match="must be positive"):
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive, finite number"):
         BucketDDP(bucket_cap_mb=0)
+    assert BucketDDP(bucket_cap_mb=None)._ddp_kwargs["bucket_cap_mb"] == 25.0  # torch DDP's
     with pytest.raises(ValueError, match="unknown buffer policy 'avg'"):
         BucketDDP(default_buffer_policy="avg")
     with pytest.raises(ValueError, match="broadcast_buffers=True contradicts forward_sync_"):
