@@ -39,6 +39,11 @@ def _freeze_at_1_unfreeze_at_3(rank: int, step: int) -> bool:
     return step < 1 or step >= 3
 
 
+def _frozen_at_micro_3(rank: int, micro: int) -> bool:
+    # With two micro-batches a step: between the two of step 1.
+    return micro < 3
+
+
 def _left_on_even(rank: int, step: int) -> bool:
     return (rank + step) % 2 == 0
 
@@ -60,10 +65,12 @@ def _train(
     steps: int = 5,
     accumulate: int = 1,
     set_to_none: bool = True,
+    per_micro: bool = False,
 ) -> dict[str, Any]:
     """Train with BucketDataParallel while ``schedule`` switches a group's requires_grad.
 
     ``opts`` go to the wrapper, but for ``comm_hook``: a hook to register on it.
+    ``per_micro``: the schedule's second argument counts micro-batches, not steps.
     """
     model = build(name)
     for p in _switched(model, name):
@@ -82,9 +89,9 @@ def _train(
 
     no_grad: list[list[str]] = []
     for step in range(steps):
-        for p in _switched(model, name):
-            p.requires_grad_(schedule(rank, step))
         for micro in range(accumulate):
+            for p in _switched(model, name):
+                p.requires_grad_(schedule(rank, step * accumulate + micro if per_micro else step))
             last = micro == accumulate - 1
             with contextlib.nullcontext() if last else wrapped.no_sync():
                 _step(forward, name, step * accumulate + micro, rank).backward()
@@ -112,15 +119,16 @@ def _reference(
     steps: int = 5,
     accumulate: int = 1,
     set_to_none: bool = True,
+    per_micro: bool = False,
 ) -> dict[str, Any]:
     """One process: the mean of every rank's loss, the same requires_grad schedule."""
     model = build(name)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     no_grad: list[list[str]] = []
     for step in range(steps):
-        for p in _switched(model, name):
-            p.requires_grad_(schedule(0, step))
         for micro in range(accumulate):
+            for p in _switched(model, name):
+                p.requires_grad_(schedule(0, step * accumulate + micro if per_micro else step))
             losses = []
             for rank in range(world):
 
@@ -141,6 +149,7 @@ def _reference(
 
 
 TINY = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005}  # many buckets
+MID_WINDOW = {"accumulate": 2, "per_micro": True}
 CASES: dict[str, tuple[str, Schedule, dict[str, Any], dict[str, Any]]] = {
     "unfreeze": ("mlp", _unfreeze_at_2, {}, {}),
     "unfreeze_tiny_buckets": ("mlp", _unfreeze_at_2, TINY, {}),
@@ -160,6 +169,22 @@ CASES: dict[str, tuple[str, Schedule, dict[str, Any], dict[str, Any]]] = {
         _freeze_at_1_unfreeze_at_3,
         {"gradient_as_bucket_view": False},
         {},
+    ),
+    # Frozen after the no_sync micro-batch of a step, before its synced one: the gradient
+    # accumulated in the first is averaged. Before, each rank stepped on its own (with
+    # find_unused_parameters=False; torch DDP raises there).
+    "freeze_inside_no_sync": ("mlp", _frozen_at_micro_3, {}, MID_WINDOW),
+    "freeze_inside_no_sync_no_view": (
+        "mlp",
+        _frozen_at_micro_3,
+        {"gradient_as_bucket_view": False},
+        MID_WINDOW,
+    ),
+    "freeze_inside_no_sync_find_unused": (
+        "mlp",
+        _frozen_at_micro_3,
+        {"find_unused_parameters": True},
+        MID_WINDOW,
     ),
     # "right" is unfrozen while control flow differs by rank; "never" is unfrozen but used
     # by no rank, so its gradient must stay None.

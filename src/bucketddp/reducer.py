@@ -9,7 +9,9 @@ gradient, waits for the work, averages, and checks.
 The last bucket in plan order carries one extra element per parameter. It is how ranks
 agree, without a collective of its own, on which parameters got a gradient anywhere:
 for ``find_unused_parameters=False`` it counts the ranks on which a parameter was missing
-(any positive count is an error on every rank, never a hang), for ``True`` it counts the
+(any positive count is an error on every rank, never a hang; for a parameter frozen on
+every rank, missing means no gradient since the last synced backward, and it is averaged
+where any rank had one), for ``True`` it counts the
 ranks on which the parameter was used (zero means globally unused: its ``.grad`` is left
 untouched, as torch DDP does). After those come one element per parameter of the model,
 trainable or not: the ranks on which it requires a gradient. That is how ranks agree on
@@ -701,7 +703,14 @@ class Reducer:
         elif self._n_ready == n:
             counts.zero_()
         else:
-            counts.copy_(torch.tensor([not r for r in self._ready], dtype=counts.dtype))
+            # Missing: no gradient in this backward. A parameter frozen here is missing only
+            # if it got none since the last synced backward either: one frozen between the
+            # micro-batches of no_sync() holds a gradient that is averaged like any other.
+            missing = [
+                not (ready or (used and not p.requires_grad))
+                for ready, used, p in zip(self._ready, self._used, self._params, strict=True)
+            ]
+            counts.copy_(torch.tensor(missing, dtype=counts.dtype))
         if self._n_ready == n and not self._outside_trainable and self._changed is None:
             # Every planned parameter got a gradient, so it requires one; nothing else does.
             agreement.copy_(self._agreed)
@@ -823,20 +832,23 @@ class Reducer:
         if error is not None:
             return error, []
         if not self.find_unused_parameters:
+            take = None
+            if frozen is not None:
+                # Frozen everywhere: .grad untouched, unless some rank got a gradient for it
+                # since the last synced backward (inside no_sync, before freezing it): then
+                # it takes the average, as a used parameter does.
+                missed = counts.tolist()
+                take = [not f or c < self.world_size for f, c in zip(frozen, missed, strict=True)]
             if not self.gradient_as_bucket_view:
-                self._copy_back(None if frozen is None else [not f for f in frozen])
+                self._copy_back(take)
+            elif take is not None:
+                self._take_views([i for i in locally_missing if take[i]])
         else:
             # A parameter frozen everywhere counts as unused everywhere: grad untouched.
             used_anywhere = [c > 0 for c in counts.tolist()]
             if self.gradient_as_bucket_view:
                 # A parameter unused here but used elsewhere takes the averaged gradient.
-                for i in locally_missing:
-                    if (
-                        used_anywhere[i]
-                        and not self._is_sparse[i]
-                        and self._params[i].grad is not self._views[i]
-                    ):
-                        self._params[i].grad = self._views[i]
+                self._take_views([i for i in locally_missing if used_anywhere[i]])
             else:
                 self._copy_back(used_anywhere)
             for i, sent in zip(self._sparse, self._sparse_sent, strict=True):
@@ -845,6 +857,12 @@ class Reducer:
         if joined:
             return self._reduce_joined(joined), joined
         return None, []
+
+    def _take_views(self, indices: list[int]) -> None:
+        """Point the ``.grad`` of the dense parameters at ``indices`` at their averaged slots."""
+        for i in indices:
+            if not self._is_sparse[i] and self._params[i].grad is not self._views[i]:
+                self._params[i].grad = self._views[i]
 
     def _fill_counted(self) -> None:
         """static_graph, first synced backward: stage every gradient now, and keep the counts.
