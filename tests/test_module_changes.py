@@ -10,6 +10,7 @@ process training on the global batch.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -168,6 +169,49 @@ def test_memory_format_change_after_wrapping_keeps_training_right(set_to_none: b
     for ours in run_ranks(_channels_last_midway, 2, set_to_none, timeout=60):
         for name, want in truth.items():
             torch.testing.assert_close(ours[name], want, rtol=0, atol=1e-6, msg=name)
+
+
+def _ema_attached(rank: int, world: int, unfreeze_at: int | None) -> dict[str, Any]:
+    """A frozen copy of the network attached after wrapping and updated as an EMA after
+    each step; ``unfreeze_at`` makes it trainable at that step. World 0: one process on
+    the global batch (the ground truth)."""
+    model = build("mlp")
+    wrapped = BucketDataParallel(model) if world else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    errors = []
+    for step in range(4):
+        if step == 1:
+            model.ema = copy.deepcopy(model.net).requires_grad_(False)
+        if step == unfreeze_at:
+            model.ema.requires_grad_(True)
+        x, y = _rank_or_global_batch("mlp", step, rank, world)
+        try:
+            F.mse_loss(wrapped(x), y).backward()
+        except RuntimeError as e:
+            errors.append((step, str(e)))
+        opt.step()
+        opt.zero_grad()
+        if step >= 1:
+            with torch.no_grad():
+                for e, p in zip(model.ema.parameters(), model.net.parameters(), strict=True):
+                    e.lerp_(p, 0.5)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"params": params, "errors": errors}
+
+
+def test_frozen_parameters_added_after_wrapping_are_no_change_until_unfrozen() -> None:
+    # Before, an EMA copy attached after wrapping (in on_fit_start, say) raised "gained
+    # parameters" on every rank, though it never gets a gradient; torch DDP trains on.
+    truth = _ema_attached(0, 0, None)["params"]
+    assert "ema.0.weight" in truth
+    for ours in run_ranks(_ema_attached, 2, None, timeout=60):
+        assert ours["errors"] == []
+        for name, want in truth.items():
+            torch.testing.assert_close(ours["params"][name], want, rtol=0, atol=1e-6, msg=name)
+    # Unfrozen, it could train on each rank's own gradient: it counts from then on.
+    for ours in run_ranks(_ema_attached, 2, 2, timeout=60):
+        assert [step for step, _ in ours["errors"]] == [2, 3]
+        assert "on 2 of 2 ranks (here: added ema.0.weight" in ours["errors"][0][1]
 
 
 # ---------------------------------------------------- changes that add no parameter

@@ -198,6 +198,9 @@ class Reducer:
         self._watch_handles: dict[int, RemovableHandle] = {}
         # Parameters the module gained or lost after wrapping, as (added, removed) names.
         self._changed: tuple[list[str], list[str]] | None = None
+        self._added: list[tuple[str, nn.Parameter]] = []
+        self._added_frozen: list[tuple[str, nn.Parameter]] = []
+        self._removed: list[str] = []
         self._changed_handles: list[RemovableHandle] = []
         self._comm_hook: tuple[Any, CommHook] | None = None
         # The future of the hook called last in this step: the next bucket's hook waits
@@ -376,6 +379,8 @@ class Reducer:
         parameter otherwise. The hook does not reduce anything: it only makes sure the
         end-of-backward callback runs, where the ranks agree on what to do.
         """
+        if self._added_frozen and any(p.requires_grad for _, p in self._added_frozen):
+            self.module_changed(self._added, self._removed)
         if not self._outside:
             return
         trainable = False
@@ -399,8 +404,18 @@ class Reducer:
         only completes the message: a parameter that left the module gets no gradient, which
         the unused-parameter rules already cover. The added parameters are hooked only to make
         sure such a backward reaches its end-of-backward callback.
+
+        A frozen parameter under a new name is no such change while it stays frozen: it gets
+        no gradient, so it cannot train on a rank's own (an EMA copy of the network attached
+        in ``on_fit_start``, say). It is checked before each forward, and counts from the
+        first one at which it requires a gradient.
         """
-        self._changed = ([n for n, _ in added], list(removed)) if added else None
+        gone = set(removed)
+        reported = [n for n, p in added if p.requires_grad or n in gone]
+        self._added_frozen = [(n, p) for n, p in added if not p.requires_grad and n not in gone]
+        self._added = list(added)
+        self._removed = list(removed)
+        self._changed = (reported, list(removed)) if reported else None
         for h in self._changed_handles:
             h.remove()
         self._changed_handles = [
