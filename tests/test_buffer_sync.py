@@ -483,6 +483,8 @@ def _error_worker(rank: int, world: int) -> dict[str, Any]:
         "mean_on_int": _try(buffer_sync={"pos": "mean"}),
         "mean_on_int_default": _try(default_buffer_policy="mean"),
         "not_callable": _try(buffer_sync={"ema": 3}),
+        "not_a_mapping": _try(buffer_sync="mean"),
+        "hook_not_a_mapping": _try(hook_rules=["ema"]),
         "rank_differs": _try(buffer_sync={"ema": "mean" if rank == 0 else "max"}),
         "one_rank_fails": _try(buffer_sync={"ema": "mean"} if rank == 0 else {"emma": "mean"}),
     }
@@ -507,6 +509,8 @@ def errors() -> list[dict[str, Any]]:
         ("mean_on_int", "ValueError", ["'pos'", "torch.int64", "mean"]),
         ("mean_on_int_default", "ValueError", ["'pos'", "mean"]),
         ("not_callable", "TypeError", ["'ema'", "int", "callable"]),
+        ("not_a_mapping", "TypeError", ["buffer_sync is a str ('mean')", "use a dict"]),
+        ("hook_not_a_mapping", "TypeError", ["configure_buffer_sync() returned a list"]),
         ("rank_differs", "RuntimeError", ["different buffer policies", "'ema'", "rank 1"]),
     ],
 )

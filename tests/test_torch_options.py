@@ -96,3 +96,7 @@ def test_buffer_options_agree_or_raise() -> None:
         buffer_default(None, False, "max")
     with pytest.raises(ValueError, match="broadcast_buffers=False contradicts default_buffer"):
         buffer_default(False, None, "broadcast")
+    with pytest.raises(ValueError, match="broadcast_buffers=True contradicts default_buffer"):
+        buffer_default(True, None, "none")
+    with pytest.raises(ValueError, match="forward_sync_buffers=True contradicts default_buf"):
+        buffer_default(None, True, "none")

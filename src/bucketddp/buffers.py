@@ -75,6 +75,19 @@ def check_policy(policy: object, where: str) -> None:
     )
 
 
+def check_rules(rules: object, where: str) -> None:
+    """Raise unless ``rules`` is None or a mapping; ``where`` names what gave them.
+
+    Raises:
+        TypeError: a list, a string or anything else that is no mapping.
+    """
+    if rules is not None and not isinstance(rules, Mapping):
+        raise TypeError(
+            f"{where} a {type(rules).__name__} ({rules!r}); use a dict of buffer name or "
+            "fnmatch pattern to policy, such as {'bn.running_mean': 'mean'} or {'*': 'max'}"
+        )
+
+
 def resolve_policies(
     buffers: Mapping[str, torch.dtype],
     *,
@@ -307,11 +320,8 @@ class BufferSync:
                     module_defaults[full] = own
         hook = getattr(module, "configure_buffer_sync", None)
         module_rules = hook() if callable(hook) else None
-        if module_rules is not None and not isinstance(module_rules, Mapping):
-            raise TypeError(
-                f"configure_buffer_sync() returned a {type(module_rules).__name__}; "
-                "return a dict of buffer name or pattern to policy"
-            )
+        check_rules(rules, "buffer_sync is")
+        check_rules(module_rules, "configure_buffer_sync() returned")
         for source, mapping in (("buffer_sync", rules), ("configure_buffer_sync()", module_rules)):
             for key in mapping or {}:
                 if key in ignored:

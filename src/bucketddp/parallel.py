@@ -517,12 +517,14 @@ def buffer_default(
         )
     if default_buffer_policy is None:
         return "none" if False in given.values() else "broadcast"
-    if False in given.values() and default_buffer_policy != "none":
-        name = next(n for n, v in given.items() if v is False)
-        raise ValueError(
-            f"{name}=False contradicts default_buffer_policy={default_buffer_policy!r}; "
-            "pass only one of them"
-        )
+    for switch in given.values():
+        # False means no sync, True a sync: "none", or any other policy, contradicts it.
+        if switch is (default_buffer_policy == "none"):
+            name = next(iter(given))
+            raise ValueError(
+                f"{name}={switch} contradicts default_buffer_policy={default_buffer_policy!r}; "
+                "pass only one of them"
+            )
     return default_buffer_policy
 
 

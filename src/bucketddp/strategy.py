@@ -36,7 +36,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from .buckets import check_bucket_sizes
-from .buffers import Policy, resolve_policies
+from .buffers import Policy, check_rules, resolve_policies
 from .parallel import BucketDataParallel, buffer_default
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
 
@@ -156,6 +156,7 @@ class BucketDDP(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         bucket_cap_mb, first_bucket_mb = check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
+        check_rules(buffer_sync, "buffer_sync is")
         self._comm_hook = _comm_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         _check_averaging(ddp_comm_state, model_averaging_period)
         # Raises on contradicting buffer options or an unknown policy name.
