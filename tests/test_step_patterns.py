@@ -66,6 +66,13 @@ def _step(model: nn.Module, name: str, index: int, rank: int, pattern: str, scal
         return True
     elif pattern == "boxed_output":
         loss = F.mse_loss(model(x).value, y)
+    elif pattern == "two_checkpointed_calls":
+        # Two reentrant recomputations of the whole forward, each its own nested backward
+        # that ends a reduction; a branch and "never" unused in each (find_unused).
+        x = x.clone().requires_grad_(True)
+        out = checkpoint(model, x, True, use_reentrant=True)
+        out2 = checkpoint(model, x2.clone().requires_grad_(True), False, use_reentrant=True)
+        loss = F.mse_loss(out, y) + F.mse_loss(out2, y2)
     elif pattern.startswith("checkpointed_call"):
         # The wrapper's whole forward is recomputed during backward, inside the backward.
         x = x.clone().requires_grad_(True)
@@ -147,6 +154,13 @@ CASES: dict[str, dict[str, Any]] = {
     # the first gradients come from a nested backward. Before, the step ended with it and
     # raised that the first layers got no gradient.
     "boxed_output": {"name": "reentrant_boxed"},
+    # Before, the first recomputation's backward was taken for a nested part of the step and
+    # the second raised "received a gradient twice". The ground truth is one process.
+    "two_checkpointed_calls": {
+        "name": "branchy",
+        "opts": {"find_unused_parameters": True},
+        "ddp": False,
+    },
     # torch DDP reduces only the first of the two backward passes (its hooks are spent),
     # leaving the second loss's gradient local: the ground truth is one process.
     "two_backwards": {"name": "conv", "ddp": False},

@@ -191,6 +191,7 @@ class Reducer:
         self._cap_bytes = cap_bytes(bucket_cap_mb)
         self._first_cap_bytes = cap_bytes(first_bucket_mb)
         self._queued = False
+        self._from_output = False  # the callback was queued by an output hook
         self._outside_touched = False  # a parameter outside the plan got a gradient
         self._handles: list[RemovableHandle] = []
         # Hooks on parameters outside the plan that a rank saw become trainable: they only
@@ -442,6 +443,7 @@ class Reducer:
         self._armed = True  # this wrapper's outputs: a second backward through them counts
         if not self._queued:
             self._queue_finalize()
+            self._from_output = True
 
     def arm(self) -> None:
         """At a grad-enabled forward: the next backward is this reducer's to reduce.
@@ -458,6 +460,7 @@ class Reducer:
         if _compiled_autograd():
             raise RuntimeError(_COMPILED_AUTOGRAD)
         self._queued = True
+        self._from_output = False
         Variable._execution_engine.queue_callback(self._finalize)
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
@@ -741,11 +744,13 @@ class Reducer:
     def _finalize(self) -> None:
         """Runs once at the end of each backward pass that touched a parameter."""
         node = torch._C._current_autograd_node()
-        if node is not None and self._n_ready < len(self._ready):
+        if node is not None and not self._from_output and self._n_ready < len(self._ready):
             # The end of a backward nested in another (a reentrant checkpoint segment's)
-            # while gradients are still to come: the callback was queued there because no
-            # output hook queued it in the outer one (the forward returned an object the
+            # while gradients may still come: a parameter's hook queued the callback there,
+            # as no output hook did in the outer one (the forward returned an object the
             # hooks do not look into). Finish at the end of the enclosing backward instead.
+            # (Queued by an output hook, the nested backward went through the whole
+            # forward, recomputed inside it: ``checkpoint(model, x)``. It ends the step.)
             node.register_hook(_Once(self._requeue_finalize))
             return
         self._queued = False
