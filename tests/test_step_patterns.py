@@ -154,8 +154,9 @@ CASES: dict[str, dict[str, Any]] = {
     # the first gradients come from a nested backward. Before, the step ended with it and
     # raised that the first layers got no gradient.
     "boxed_output": {"name": "reentrant_boxed"},
-    # Before, the first recomputation's backward was taken for a nested part of the step and
-    # the second raised "received a gradient twice". The ground truth is one process.
+    # Each recomputation's nested backward, begun at the outputs' hooks, ends a reduction;
+    # taken for part of an outer step, the second would raise "received a gradient twice".
+    # The ground truth is one process.
     "two_checkpointed_calls": {
         "name": "branchy",
         "opts": {"find_unused_parameters": True},
