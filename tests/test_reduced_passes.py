@@ -130,6 +130,13 @@ def _decided_at_forward(rank: int, wrap: Wrap, scenario: str) -> dict[str, dict[
                 with quiet:
                     loss = F.mse_loss(wrapped(x), y)
                 rec.backward(loss, tag)
+            elif scenario == "extra_forward_inside":
+                # A synced forward, then an auxiliary one inside no_sync(): still synced.
+                with quiet:
+                    loss = F.mse_loss(wrapped(x), y)
+                with wrapped.no_sync():  # type: ignore[operator]
+                    loss = loss + F.mse_loss(wrapped(x.flip(0)), y)
+                rec.backward(loss, tag)
             else:  # backward inside only: the forward decided to sync
                 loss = F.mse_loss(wrapped(x), y)
                 with quiet:
@@ -186,8 +193,12 @@ def test_a_dropped_wrapper_takes_its_hooks_along(scenario: str) -> None:
     assert apart > 1e-3 if scenario == "dropped" else apart == 0.0
 
 
-@pytest.mark.parametrize("scenario", ["flag", "forward_inside", "backward_inside"])
+@pytest.mark.parametrize(
+    "scenario", ["flag", "forward_inside", "extra_forward_inside", "backward_inside"]
+)
 def test_the_forward_decides_whether_its_backward_syncs(scenario: str) -> None:
+    # "extra_forward_inside": before, the forward inside no_sync() took back the decision of
+    # the synced one before it, and the ranks stepped on their own gradients.
     results = _run("decided_at_forward", scenario)
     # The micro-batches' gradients stayed local (they differ by rank), the last one's not.
     a, b = (r["grads"][1] for r in results)

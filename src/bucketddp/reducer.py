@@ -449,11 +449,13 @@ class Reducer:
         """At a grad-enabled forward: the next backward is this reducer's to reduce.
 
         It syncs unless this forward runs inside ``no_sync()``, the decision torch DDP takes
-        at the forward too. Until then, and after a backward that reached a parameter, the
-        hooks leave gradients alone.
+        at the forward too. A forward inside ``no_sync()`` does not take back the decision
+        of a synced one before it (an auxiliary forward), as in torch DDP: the backward
+        syncs if any forward since the last one armed it to. Until then, and after a
+        backward that reached a parameter, the hooks leave gradients alone.
         """
+        self._sync_step = self.sync_enabled or (self._armed and self._sync_step)
         self._armed = True
-        self._sync_step = self.sync_enabled
 
     def _queue_finalize(self) -> None:
         """At a backward's first hook: have the autograd engine call ``_finalize`` at its end."""
