@@ -100,3 +100,45 @@ def test_buffer_options_agree_or_raise() -> None:
         buffer_default(True, None, "none")
     with pytest.raises(ValueError, match="forward_sync_buffers=True contradicts default_buf"):
         buffer_default(None, True, "none")
+
+
+def _dcp_keys(rank: int, world: int) -> dict[str, Any]:
+    """torch.distributed.checkpoint's state-dict helpers: torch DDP against our recipe."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+    )
+
+    trained = {}
+    for name, wrap in (("ddp", DDP), ("ours", BucketDataParallel)):
+        out = train("conv", wrap, rank)
+        wrapped = out["wrapped"]
+        # torch DDP's helpers strip its "module." prefix; ours is passed the inner module.
+        target = wrapped if name == "ddp" else wrapped.module
+        opt = torch.optim.SGD(wrapped.module.parameters(), lr=0.1, momentum=0.9)
+        wrapped(torch.randn(2, 3, 8, 8)).sum().backward()
+        opt.step()
+        trained[name] = (
+            target,
+            get_model_state_dict(target),
+            get_optimizer_state_dict(target, opt),
+        )
+    # A checkpoint of torch DDP's loads into the wrapped module, and the other way round.
+    set_model_state_dict(trained["ours"][0], trained["ddp"][1])
+    loaded = {k: v.clone() for k, v in trained["ours"][0].state_dict().items()}
+    return {
+        "model_keys": [sorted(trained[n][1]) for n in ("ddp", "ours")],
+        "optim_keys": [sorted(trained[n][2]["state"]) for n in ("ddp", "ours")],
+        "loaded": loaded,
+        "ddp": {k: v.clone() for k, v in trained["ddp"][1].items()},
+    }
+
+
+def test_distributed_checkpoint_helpers_on_the_wrapped_module_match_torch_ddp() -> None:
+    for r in run_ranks(_dcp_keys, 2, timeout=90):
+        ddp_keys, our_keys = r["model_keys"]
+        assert ddp_keys == our_keys and "features.0.weight" in our_keys
+        assert r["optim_keys"][0] == r["optim_keys"][1]
+        for k, v in r["ddp"].items():
+            assert torch.equal(r["loaded"][k], v), k
