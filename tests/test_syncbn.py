@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.profiler import ProfilerActivity, profile
 
@@ -329,8 +331,22 @@ def _train_data(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor
     ]
 
 
-def _ddp_worker(rank: int, world: int, steps: int, per_rank: int, compiled: bool) -> dict[str, Any]:
-    model = BucketDataParallel(convert_sync_batchnorm(_conv_net()))
+def _ddp_worker(
+    rank: int, world: int, steps: int, per_rank: int, compiled: bool, hook: str | None = None
+) -> dict[str, Any]:
+    if hook is None:
+        model = BucketDataParallel(convert_sync_batchnorm(_conv_net()))
+    else:
+        # A bucket per parameter: each bucket's hook is called from the previous one's future,
+        # on another thread, while the backward thread all-reduces in SyncBatchNorm.
+        model = BucketDataParallel(
+            convert_sync_batchnorm(_conv_net()), bucket_cap_mb=1e-7, first_bucket_mb=1e-7
+        )
+        if hook == "allreduce":
+            model.register_comm_hook(None, default_hooks.allreduce_hook)
+        else:  # PowerSGD also launches collectives from its futures' callbacks
+            state = powerSGD.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+            model.register_comm_hook(state, powerSGD.powerSGD_hook)
     if compiled:
         # Dynamo traces the layers' all-reduces into the graph.
         model = torch.compile(model, backend="aot_eager")  # type: ignore[assignment]
@@ -341,18 +357,28 @@ def _ddp_worker(rank: int, world: int, steps: int, per_rank: int, compiled: bool
         opt.zero_grad()
         loss.backward()
         opt.step()
+    moved = [m.process_group is not None for m in model.modules() if isinstance(m, SyncBatchNorm)]
     plain = revert_sync_batchnorm(model.module)
     return {
+        "moved": moved,
         "state": {k: v.clone() for k, v in plain.state_dict().items()},
         "classes": [type(m).__name__ for m in plain.modules()],
         "policies": dict(model.buffers_sync.policies),
     }
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_bucket_data_parallel_matches_single_process_training(compiled: bool):
+@pytest.mark.parametrize(
+    ("compiled", "hook"),
+    [(False, None), (True, None), (False, "allreduce")],
+    ids=["eager", "compiled", "comm_hook"],
+)
+def test_bucket_data_parallel_matches_single_process_training(compiled: bool, hook: str | None):
+    # "comm_hook": before, the hooks' all-reduces and SyncBatchNorm's ran on one group in an
+    # order that differed by rank: gloo aborted with a collective mismatch.
     steps, per_rank = 3, 4
-    results = run_ranks(_ddp_worker, 2, steps, per_rank, compiled, timeout=120)
+    results = run_ranks(_ddp_worker, 2, steps, per_rank, compiled, hook, timeout=120)
+    # With a hook, the layers normalize over a private group; without, over the default one.
+    assert all(r["moved"] == [hook is not None] * 3 for r in results)
 
     model = _conv_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -371,6 +397,15 @@ def test_bucket_data_parallel_matches_single_process_training(compiled: bool):
         bn_buffers = [n for n in res["policies"] if n.split(".")[0] in {"1", "4", "9"}]
         assert len(bn_buffers) == 9
         assert all(res["policies"][n] == "none" for n in bn_buffers)
+
+
+def test_powersgd_with_syncbatchnorm_trains_alike_on_every_rank():
+    # PowerSGD is lossy, so there is no exact ground truth; the ranks must finish (no
+    # collective mismatch) with the same weights and statistics.
+    results = run_ranks(_ddp_worker, 2, 4, 4, False, "powersgd", timeout=120)
+    assert results[0]["moved"] == [True] * 3
+    for name, value in results[0]["state"].items():
+        assert torch.equal(value, results[1]["state"][name]), name
 
 
 # ---------------------------------------------------------------- single process

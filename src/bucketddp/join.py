@@ -112,13 +112,9 @@ def check_joinable(module: nn.Module) -> None:
     Raises:
         ValueError: naming the SyncBatchNorm layers.
     """
-    from .syncbn import SyncBatchNorm
+    from .syncbn import syncbn_layers
 
-    layers = [
-        name or type(m).__name__
-        for name, m in module.named_modules()
-        if isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm))
-    ]
+    layers = syncbn_layers(module)
     if layers:
         raise ValueError(
             f"BucketDataParallel.join: SyncBatchNorm layers {layers[:5]} all-reduce inside "

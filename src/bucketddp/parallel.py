@@ -22,6 +22,7 @@ from .comm import IGNORED_KIND, broadcast_coalesced, verify_same_model
 from .comm_hooks import CommHook
 from .join import BucketJoinHook, check_joinable, exchange_header, header
 from .reducer import CommStats, Reducer
+from .syncbn import separate_group
 
 log = logging.getLogger(__name__)
 
@@ -375,9 +376,14 @@ class BucketDataParallel(nn.Module, Joinable):
         The hooks of ``torch.distributed.algorithms.ddp_comm_hooks`` work as they do with
         torch DDP (``allreduce_hook``, ``fp16_compress_hook``, PowerSGD, ...). The hook gets
         the bucket's local gradients, not yet averaged; its future holds the reduced buffer.
-        Once per wrapper, between steps. See ``docs/engine.md``.
+        Once per wrapper, between steps. SyncBatchNorm layers that normalize over the
+        wrapper's group are moved to a private copy of it (see ``docs/syncbn.md``). See
+        ``docs/engine.md``.
         """
         self.reducer.register_comm_hook(state, hook)
+        # A hook may launch collectives from another thread (its futures' callbacks), which
+        # would race SyncBatchNorm's all-reduces on the same group: those move to their own.
+        separate_group(self.module, self.process_group)
 
     @property
     def bucket_plan(self) -> BucketPlan:

@@ -282,6 +282,47 @@ class _SyncBatchNormFn(torch.autograd.Function):
         return grad_input.to(input.dtype), grad_weight, grad_bias, None, None, None, None, None
 
 
+def syncbn_layers(module: nn.Module) -> list[str]:
+    """The names of the SyncBatchNorm layers (ours or torch's) in ``module``.
+
+    They all-reduce inside forward and backward, so other code that communicates must keep
+    one order with them on every rank.
+    """
+    return [
+        name or type(m).__name__
+        for name, m in module.named_modules()
+        if isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm))
+    ]
+
+
+def separate_group(module: nn.Module, group: dist.ProcessGroup | None) -> int:
+    """Move ``module``'s SyncBatchNorm layers that normalize over ``group`` to a copy of it.
+
+    A communication hook may launch collectives from another thread (PowerSGD does, from
+    its futures' callbacks; bucketddp calls a bucket's hook from the previous bucket's
+    future). On the group the layers' blocking all-reduces use, the ranks could then issue
+    the two in different orders, a collective mismatch. A private group with the same
+    ranks keeps the layers' collectives apart. ``group`` None means the default group.
+    Every rank of the group must call this, at the same point. Returns how many layers
+    moved.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    base = group if group is not None else dist.group.WORLD
+    layers = [
+        m
+        for m in module.modules()
+        if isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm))
+        and (m.process_group if m.process_group is not None else dist.group.WORLD) is base
+    ]
+    if layers:
+        ranks = dist.get_process_group_ranks(base)
+        private = dist.new_group(ranks, use_local_synchronization=True)
+        for m in layers:
+            m.process_group = private
+    return len(layers)
+
+
 def _rebuild_as(module: _BatchNorm, cls: type[BN]) -> BN:
     """A ``cls`` instance carrying ``module``'s whole state: the same Parameter and buffer
     objects, requires_grad, training flag, hooks and any attributes of its own.
