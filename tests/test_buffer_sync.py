@@ -159,6 +159,25 @@ def test_reducing_policies_are_idempotent(semantics: list[dict[str, Any]]) -> No
                 assert torch.equal(result["twice"][name], result["once"][name]), name
 
 
+def _half_means(rank: int, world: int) -> dict[str, torch.Tensor]:
+    model = nn.Linear(2, 2)
+    model.register_buffer("h", torch.zeros(3, dtype=torch.float16))
+    model.register_buffer("b", torch.zeros(3, dtype=torch.bfloat16))
+    ddp = BucketDataParallel(model, buffer_sync={"h": "mean", "b": "mean"})
+    with torch.no_grad():  # the sums pass each dtype's largest value; the means do not
+        model.h.fill_(40000.0 + 20000.0 * rank)
+        model.b.fill_(2e38 + 1e38 * rank)
+    ddp.sync_buffers()
+    return {"h": model.h.clone(), "b": model.b.clone()}
+
+
+def test_mean_of_half_precision_buffers_does_not_overflow() -> None:
+    # Before, the float16 sum overflowed: inf on every rank.
+    for result in run_ranks(_half_means, 2, timeout=TIMEOUT):
+        assert torch.equal(result["h"], torch.full((3,), 50000.0, dtype=torch.float16))
+        assert torch.equal(result["b"], torch.full((3,), 2.5e38, dtype=torch.bfloat16))
+
+
 def test_sync_reports_one_collective_per_group(semantics: list[dict[str, Any]]) -> None:
     # float: broadcast, mean, sum, max, min; long: sum, max, min; bool: max. The custom
     # functions' own collectives are not counted.

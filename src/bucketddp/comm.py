@@ -113,9 +113,17 @@ def all_reduce_packed(
     element (0 for a sum, the lowest value for a max, ...) and takes the others' result.
     """
     flat = packed.pack() if identity is None else packed.flat.fill_(identity)
-    dist.all_reduce(flat, op=op, group=group)
+    wide = flat
+    if divide_by != 1 and flat.is_floating_point() and flat.element_size() < 4:
+        # A mean of half-precision values: their sum may pass the dtype's largest value
+        # (65504 in float16, float32's in bfloat16) where the mean does not, so it is
+        # taken in float64.
+        wide = flat.double()
+    dist.all_reduce(wide, op=op, group=group)
     if divide_by != 1:
-        flat.div_(divide_by)
+        wide.div_(divide_by)
+    if wide is not flat:
+        flat.copy_(wide)
     packed.unpack()
     return 1
 
