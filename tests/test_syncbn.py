@@ -399,6 +399,47 @@ def test_bucket_data_parallel_matches_single_process_training(compiled: bool, ho
         assert all(res["policies"][n] == "none" for n in bn_buffers)
 
 
+def _shared_bn_net() -> nn.Module:
+    """One BatchNorm applied twice, so registered under two names."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3)
+    return nn.Sequential(
+        bn, nn.Conv2d(3, 3, 3, padding=1), bn, nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()
+    )
+
+
+def _shared_bn_worker(rank: int, world: int, steps: int, per_rank: int) -> dict[str, Any]:
+    net = convert_sync_batchnorm(_shared_bn_net())
+    assert isinstance(net[0], SyncBatchNorm) and net[2] is net[0]
+    model = BucketDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _train_data(steps, per_rank * world):
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        loss = nn.functional.mse_loss(model(x[rows]), y[rows, :3])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    plain = revert_sync_batchnorm(model.module)
+    assert type(plain[0]) is nn.BatchNorm2d and plain[2] is plain[0]
+    return {k: v.clone() for k, v in plain.state_dict().items()}
+
+
+def test_a_layer_under_two_names_is_converted_once_and_stays_shared():
+    # Before, only the first name was converted: the second normalized with each rank's
+    # own statistics, and the shared running statistics drifted apart between ranks.
+    steps, per_rank = 3, 4
+    model = _shared_bn_net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _train_data(steps, per_rank * 2):
+        loss = nn.functional.mse_loss(model(x), y[:, :3])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for rank, state in enumerate(run_ranks(_shared_bn_worker, 2, steps, per_rank, timeout=60)):
+        for name, want in model.state_dict().items():
+            torch.testing.assert_close(state[name], want, **TOL, msg=f"{name} on {rank}")
+
+
 def test_powersgd_with_syncbatchnorm_trains_alike_on_every_rank():
     # PowerSGD is lossy, so there is no exact ground truth; the ranks must finish (no
     # collective mismatch) with the same weights and statistics.

@@ -13,6 +13,7 @@ converted layer remembers the class it came from, so the revert restores it exac
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -358,10 +359,29 @@ def convert_sync_batchnorm(
     Raises:
         ValueError: a lazy BatchNorm layer whose parameters are not materialized yet.
     """
-    return _convert(module, process_group, prefix="")
+    return _convert(module, process_group, prefix="", memo={})
 
 
-def _convert(module: nn.Module, group: dist.ProcessGroup | None, prefix: str) -> nn.Module:
+def _replace_children(
+    module: nn.Module, swap: Callable[[nn.Module, str], nn.Module], memo: dict[int, nn.Module]
+) -> None:
+    """Replace each child of ``module`` by ``swap(child, name)``, once per child object.
+
+    A child registered under several names (one BatchNorm applied twice) is swapped once
+    and its replacement put under every name, so the names keep sharing one layer.
+    """
+    for name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        if id(child) not in memo:
+            memo[id(child)] = swap(child, name)
+        if memo[id(child)] is not child:
+            module.add_module(name, memo[id(child)])
+
+
+def _convert(
+    module: nn.Module, group: dist.ProcessGroup | None, prefix: str, memo: dict[int, nn.Module]
+) -> nn.Module:
     if isinstance(module, SyncBatchNorm):
         if group is not None:
             module.process_group = group
@@ -379,10 +399,11 @@ def _convert(module: nn.Module, group: dist.ProcessGroup | None, prefix: str) ->
         new.process_group = getattr(module, "process_group", None) if keep_group else group
         new.converted_from = origin
         return new
-    for name, child in module.named_children():
-        replaced = _convert(child, group, f"{prefix}.{name}" if prefix else name)
-        if replaced is not child:
-            module.add_module(name, replaced)
+    _replace_children(
+        module,
+        lambda child, name: _convert(child, group, f"{prefix}.{name}" if prefix else name, memo),
+        memo,
+    )
     return module
 
 
@@ -398,6 +419,10 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     Returns:
         ``module``, or its replacement when ``module`` itself is a converted SyncBatchNorm.
     """
+    return _revert(module, memo={})
+
+
+def _revert(module: nn.Module, memo: dict[int, nn.Module]) -> nn.Module:
     if isinstance(module, SyncBatchNorm):
         origin = module.converted_from
         if origin is None:
@@ -407,8 +432,5 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
         if not issubclass(origin, nn.SyncBatchNorm):
             del new.__dict__["process_group"]
         return new
-    for name, child in module.named_children():
-        replaced = revert_sync_batchnorm(child)
-        if replaced is not child:
-            module.add_module(name, replaced)
+    _replace_children(module, lambda child, _: _revert(child, memo), memo)
     return module
