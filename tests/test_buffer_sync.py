@@ -171,6 +171,26 @@ def _half_means(rank: int, world: int) -> dict[str, torch.Tensor]:
     return {"h": model.h.clone(), "b": model.b.clone()}
 
 
+def _buffer_set_to_none(rank: int, world: int) -> str:
+    model = nn.Linear(2, 2)
+    model.register_buffer("cache", torch.zeros(3))
+    ddp = BucketDataParallel(model, buffer_sync={"cache": "mean"})
+    ddp(torch.ones(1, 2)).sum().backward()
+    model.cache = None  # allowed by torch: a None buffer
+    try:
+        ddp(torch.ones(1, 2)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_buffer_set_to_none_after_wrapping_is_named() -> None:
+    # Before, torch's "Expected tensors to be a tuple" assertion surfaced instead.
+    for message in run_ranks(_buffer_set_to_none, 2, timeout=TIMEOUT):
+        assert "buffer 'cache' was set to None or deleted after the model was wrapped" in message
+        assert "policy (mean)" in message
+
+
 def test_mean_of_half_precision_buffers_does_not_overflow() -> None:
     # Before, the float16 sum overflowed: inf on every rank.
     for result in run_ranks(_half_means, 2, timeout=TIMEOUT):

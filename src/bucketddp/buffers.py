@@ -369,7 +369,14 @@ class BufferSync:
 
     def _get(self, name: str) -> torch.Tensor:
         mod, attr = self._owners[name]
-        return mod._buffers[attr]  # type: ignore[return-value]
+        buf = mod._buffers.get(attr)
+        if buf is None:
+            raise RuntimeError(
+                f"buffer {name!r} was set to None or deleted after the model was wrapped, so "
+                f"its policy ({policy_label(self.policies[name])}) has nothing to sync. Give "
+                "it a tensor again before the next forward, or wrap the model again."
+            )
+        return buf
 
     def _watch_loads(self) -> None:
         # Loading a checkpoint overwrites "sum" buffers with agreed totals; the baseline
