@@ -418,10 +418,11 @@ class BucketDataParallel(nn.Module, Joinable):
         For frameworks that run backward passes inside the wrapper's forward, such as
         Lightning's manual optimization, where the forward is the whole ``training_step``:
         call it before each such backward, with the tensor(s) the backward starts from
-        (the loss). That backward syncs unless this call is made inside ``no_sync()``.
+        (the loss). That backward syncs unless this call is made inside ``no_sync()``
+        (or with ``require_backward_grad_sync`` False), whatever the forward decided.
         Plain training loops never need it.
         """
-        self.reducer.arm()
+        self.reducer.arm(decide=True)
         if torch.is_grad_enabled():
             # Like a forward's outputs: the backward's first hook, in its outermost pass.
             _hook_outputs(output, self.reducer.on_output_grad)

@@ -445,16 +445,18 @@ class Reducer:
             self._queue_finalize()
             self._from_output = True
 
-    def arm(self) -> None:
+    def arm(self, *, decide: bool = False) -> None:
         """At a grad-enabled forward: the next backward is this reducer's to reduce.
 
         It syncs unless this forward runs inside ``no_sync()``, the decision torch DDP takes
         at the forward too. A forward inside ``no_sync()`` does not take back the decision
         of a synced one before it (an auxiliary forward), as in torch DDP: the backward
         syncs if any forward since the last one armed it to. Until then, and after a
-        backward that reached a parameter, the hooks leave gradients alone.
+        backward that reached a parameter, the hooks leave gradients alone. ``decide``
+        (``prepare_for_backward``, just before one backward) sets the decision outright.
         """
-        self._sync_step = self.sync_enabled or (self._armed and self._sync_step)
+        keep = not decide and self._armed and self._sync_step
+        self._sync_step = self.sync_enabled or keep
         self._armed = True
 
     def _queue_finalize(self) -> None:
