@@ -289,8 +289,13 @@ def syncbn_layers(module: nn.Module) -> list[str]:
     They all-reduce inside forward and backward, so other code that communicates must keep
     one order with them on every rank.
     """
+    return [name or type(m).__name__ for name, m in _sync_layers(module)]
+
+
+def _sync_layers(module: nn.Module) -> list[tuple[str, _BatchNorm]]:
+    """``module``'s SyncBatchNorm layers, ours and torch's, with their names."""
     return [
-        name or type(m).__name__
+        (name, m)
         for name, m in module.named_modules()
         if isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm))
     ]
@@ -309,12 +314,12 @@ def separate_group(module: nn.Module, group: dist.ProcessGroup | None) -> int:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    base = group if group is not None else dist.group.WORLD
+    world = dist.group.WORLD
+    base = group if group is not None else world
     layers = [
         m
-        for m in module.modules()
-        if isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm))
-        and (m.process_group if m.process_group is not None else dist.group.WORLD) is base
+        for _, m in _sync_layers(module)
+        if (m.process_group if m.process_group is not None else world) is base
     ]
     if layers:
         ranks = dist.get_process_group_ranks(base)
