@@ -10,20 +10,41 @@ a wrapper compares its parameters only when that count has moved since it last l
 
 Writes straight into ``module._parameters`` bypass the hooks; they are noticed at the next
 assignment that goes through them.
+
+Buffers are counted apart, only on the modules of wrapped models (:func:`track`), and only
+the assignments that change what a buffer sync sees: a new buffer name, a buffer set to or
+from None, or a tensor of another shape or dtype. Reassigning a buffer with a tensor like
+the old one (``self.n = self.n + 1``) is not counted, nor is building an unrelated module
+during training. ``version()`` moves with either count.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
 from typing import Any
 
+from torch import nn
 from torch.nn.modules import module as _module
 
 _count = [0]
+_buffer_count = [0]
 _installed = False
 
 
 def _bump(*_: Any) -> None:
     _count[0] += 1
+
+
+_tracked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _bump_buffer(module: Any, name: str, tensor: Any) -> None:
+    if module not in _tracked:
+        return
+    old = module.__dict__.get("_buffers", {}).get(name)
+    if old is None or tensor is None or old.shape != tensor.shape or old.dtype != tensor.dtype:
+        _buffer_count[0] += 1
 
 
 def watch() -> None:
@@ -32,9 +53,20 @@ def watch() -> None:
     if not _installed:
         _module.register_module_parameter_registration_hook(_bump)
         _module.register_module_module_registration_hook(_bump)
+        _module.register_module_buffer_registration_hook(_bump_buffer)
         _installed = True
 
 
 def registrations() -> int:
     """How many parameter or submodule assignments the process made since :func:`watch`."""
     return _count[0]
+
+
+def version() -> int:
+    """Moves whenever a parameter, submodule or buffer assignment may change a model's layout."""
+    return _count[0] + _buffer_count[0]
+
+
+def track(modules: Iterable[nn.Module]) -> None:
+    """Count buffer assignments on ``modules`` from now on (a wrapped model's, say)."""
+    _tracked.update(modules)

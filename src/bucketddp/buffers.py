@@ -20,7 +20,7 @@ import fnmatch
 import logging
 import math
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import _structure
 from .comm import FlatTensors, all_reduce_coalesced, all_reduce_packed, broadcast_packed
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ def resolve_policies(
     module_rules: Mapping[str, Policy] | None = None,
     module_defaults: Mapping[str, Policy] | None = None,
     default: Policy = "broadcast",
+    unmatched_ok: bool = False,
 ) -> dict[str, Policy]:
     """Give every buffer its policy, following the precedence in this module's docstring.
 
@@ -104,6 +106,8 @@ def resolve_policies(
         module_rules: the module's ``configure_buffer_sync()``.
         module_defaults: per-buffer defaults a module declares for its own buffers.
         default: the policy of every buffer no rule names.
+        unmatched_ok: allow keys that match no buffer (after wrapping, when a buffer a rule
+            names may have been deleted).
 
     Returns:
         buffer name to policy, in the order of ``buffers``.
@@ -126,7 +130,9 @@ def resolve_policies(
             if not isinstance(key, str):
                 raise TypeError(f"{source} key {key!r} is not a string; use a buffer name")
             check_policy(policy, f"{key!r} in {source}")
-            if key not in buffers and not any(fnmatch.fnmatchcase(n, key) for n in buffers):
+            if unmatched_ok or key in buffers:
+                continue
+            if not any(fnmatch.fnmatchcase(n, key) for n in buffers):
                 raise ValueError(f"{source} key {key!r} matches no buffer; {_describe(buffers)}")
 
     resolved: dict[str, Policy] = {}
@@ -265,6 +271,12 @@ class BufferSync:
         self.process_group = process_group
         self._default_is_rank_local = default_is_rank_local
         self.world_size = dist.get_world_size(process_group)
+        # Kept to give buffers that appear after wrapping their policies (see ``settle``).
+        self._module = module
+        self._rules = rules
+        self._default = default
+        self._ignored = frozenset(ignored)
+        self._module_rules: Mapping[str, Policy] | None = None
         # Buffers are looked up through their owning module at every sync, so a buffer the
         # module reassigns (``self.n = self.n + 1``) is still the one that gets synced.
         self._owners: dict[str, tuple[nn.Module, str]] = {}
@@ -272,15 +284,22 @@ class BufferSync:
         self._packed: dict[int, FlatTensors] = {}  # group index -> its reusable flat buffer
         self._hooks: list[RemovableHandle] = []
         self.rank_local: set[str] = set()
+        _structure.watch()
+        _structure.track(module.modules())
+        self._version = _structure.version()
         error: Exception | None = None
         policies: dict[str, Policy] = {}
         try:
-            policies = self._resolve(module, rules, default, frozenset(ignored))
+            policies = self._resolve(module, rules, default)
         except Exception as exc:  # reported to every rank by _agree
             error = exc
         self.policies = _agree(policies, error, process_group)
-        places = {n: (self._get(n).dtype, self._get(n).device) for n in self.policies}
-        self.groups = group_buffers(self.policies, places)
+        self._places = {n: (self._get(n).dtype, self._get(n).device) for n in self.policies}
+        self.groups = group_buffers(self.policies, self._places)
+        # The shape and dtype every rank's buffer had when the ranks last agreed: a buffer
+        # that differs cannot take part in its group's collective (see ``_fit``).
+        self._layout = {n: (self._get(n).shape, self._get(n).dtype) for n in self.policies}
+        self._deviation: dict[str, str] = {}
         self.reset_baseline()
         self._watch_loads()
         if dist.get_rank(process_group) == 0:
@@ -294,37 +313,17 @@ class BufferSync:
                 )
 
     def _resolve(
-        self,
-        module: nn.Module,
-        rules: Mapping[str, Policy] | None,
-        default: Policy,
-        ignored: frozenset[str],
+        self, module: nn.Module, rules: Mapping[str, Policy] | None, default: Policy
     ) -> dict[str, Policy]:
-        dtypes: dict[str, torch.dtype] = {}
-        module_defaults: dict[str, Policy] = {}
-        seen: set[int] = set()
-        for mod_name, mod in module.named_modules():
-            own = getattr(mod, "default_buffer_policy", None)
-            for attr, buf in mod.named_buffers(recurse=False):
-                # A tensor registered under two names is synced once, under its first name
-                # (the one ``named_buffers()`` and ``state_dict()`` report).
-                if buf is None or id(buf) in seen:
-                    continue
-                seen.add(id(buf))
-                full = f"{mod_name}.{attr}" if mod_name else attr
-                if full in ignored:
-                    continue
-                self._owners[full] = (mod, attr)
-                dtypes[full] = buf.dtype
-                if own is not None:
-                    module_defaults[full] = own
+        self._owners, dtypes, module_defaults = _scan(module, self._ignored)
         hook = getattr(module, "configure_buffer_sync", None)
         module_rules = hook() if callable(hook) else None
         check_rules(rules, "buffer_sync is")
         check_rules(module_rules, "configure_buffer_sync() returned")
+        self._module_rules = module_rules
         for source, mapping in (("buffer_sync", rules), ("configure_buffer_sync()", module_rules)):
             for key in mapping or {}:
-                if key in ignored:
+                if key in self._ignored:
                     raise ValueError(
                         f"{source} gives a policy to {key!r}, but the module's "
                         "_ddp_params_and_buffers_to_ignore lists it, and an ignored buffer "
@@ -366,24 +365,22 @@ class BufferSync:
         self._hooks = []
         self._packed = {}
         self._watch_loads()
+        _structure.watch()
+        _structure.track(self._module.modules())
 
     def _get(self, name: str) -> torch.Tensor:
         mod, attr = self._owners[name]
         buf = mod._buffers.get(attr)
         if buf is None:
-            raise RuntimeError(
-                f"buffer {name!r} was set to None or deleted after the model was wrapped, so "
-                f"its policy ({policy_label(self.policies[name])}) has nothing to sync. Give "
-                "it a tensor again before the next forward, or wrap the model again."
-            )
+            raise RuntimeError(_none_message(name, policy_label(self.policies[name])))
         return buf
 
-    def _watch_loads(self) -> None:
+    def _watch_loads(self, names: Collection[str] | None = None) -> None:
         # Loading a checkpoint overwrites "sum" buffers with agreed totals; the baseline
         # must follow, or the next sync would add the loaded totals once per rank.
         by_owner: dict[int, tuple[nn.Module, list[tuple[str, str]]]] = {}
         for name, policy in self.policies.items():
-            if policy == "sum":
+            if policy == "sum" and (names is None or name in names):
                 mod, attr = self._owners[name]
                 by_owner.setdefault(id(mod), (mod, []))[1].append((name, attr))
         for mod, members in by_owner.values():
@@ -454,47 +451,191 @@ class BufferSync:
         # Outside inference mode even when called inside it (an evaluation loop): the flat
         # buffers and "sum" baselines made here are kept for later syncs, and an inference
         # tensor could not be written to outside inference mode.
-        by_group = [[self._get(n) for n in g.names] for g in self.groups]
+        by_group = [[self._current(n) for n in g.names] for g in self.groups]
         with (
             torch.inference_mode(False),
-            _preserve_versions(tuple(t for tensors in by_group for t in tensors)),
+            _preserve_versions(tuple(t for ts in by_group for t in ts if t is not None)),
         ):
             return self._sync_groups(by_group, src, ranks, contribute)
 
     def _sync_groups(
-        self, by_group: list[list[torch.Tensor]], src: int, ranks: int | None, contribute: bool
+        self,
+        by_group: list[list[torch.Tensor | None]],
+        src: int,
+        ranks: int | None,
+        contribute: bool,
     ) -> int:
         count = 0
+        if self._deviation:
+            self._deviation = {}
         for i, (group, tensors) in enumerate(zip(self.groups, by_group, strict=True)):
             policy = group.policy
             if not isinstance(policy, str):
                 self._apply_custom(group.names[0], policy)
                 continue
             if policy == "sum":
-                count += self._sync_sum(group.names, tensors)
-            elif policy == "broadcast":
-                count += broadcast_packed(self._packing(i, tensors), self.process_group, src=src)
+                count += self._sync_sum(group.names, self._fit(group.names, tensors, policy))
+                continue
+            packed = self._packing(i, tensors)
+            if policy == "broadcast":
+                count += broadcast_packed(packed, self.process_group, src=src)
             else:
                 count += all_reduce_packed(
-                    self._packing(i, tensors),
+                    packed,
                     _OPS[policy],
                     self.process_group,
                     divide_by=(ranks or self.world_size) if policy == "mean" else 1,
-                    identity=None if contribute else _identity(policy, tensors[0].dtype),
+                    identity=None if contribute else _identity(policy, packed.flat.dtype),
                 )
         return count
+
+    def _fit(
+        self, names: tuple[str, ...], tensors: Sequence[torch.Tensor | None], policy: str
+    ) -> list[torch.Tensor]:
+        """``tensors``, with a stand-in of the agreed layout for each that changed layout.
+
+        A buffer reassigned after wrapping with another shape or dtype, or set to None (on
+        some ranks only, say), would make its group's collective differ in size between
+        ranks, which hangs or aborts. It is left out instead: a stand-in of the agreed shape
+        (zeros; for ``"sum"`` its baseline, which adds nothing) takes its place, so every
+        rank still launches the same collective, and the change is reported to every rank
+        in the next synced backward (``deviates``, ``settle``).
+        """
+        fitted: list[torch.Tensor] = []
+        for name, t in zip(names, tensors, strict=True):
+            shape, dtype = self._layout[name]
+            if t is not None and t.shape == shape and t.dtype == dtype:
+                fitted.append(t)
+                continue
+            self._deviation[name] = "None" if t is None else _layout_text(t.shape, t.dtype)
+            if policy == "sum":
+                fitted.append(self._baseline[name])
+            else:
+                fitted.append(torch.zeros(shape, dtype=dtype, device=self._places[name][1]))
+        return fitted
+
+    @property
+    def deviates(self) -> bool:
+        """Whether this rank's buffers may no longer be those the ranks agreed on.
+
+        True when the last sync left out a buffer whose layout changed (see ``_fit``), or
+        when some module gained or lost a buffer, changed one's shape or dtype, or gained a
+        submodule since the ranks last agreed (counted by torch's registration hooks).
+        """
+        return bool(self._deviation) or _structure.version() != self._version
+
+    def settle(self) -> str | None:
+        """Agree with the other ranks on the synced buffers: adopt them, or return the error.
+
+        Called on every rank at once, after a synced backward whose flags say that some
+        rank's buffers changed, and by ``BucketDataParallel.sync_buffers``. Each rank reads
+        its module's buffers anew: a buffer that appeared after wrapping (registered in a
+        forward, given a tensor after being None, in a submodule attached later) gets its
+        policy from the same rules, one deleted or set to None leaves the sync, and a
+        reassigned one is taken with its new shape and dtype, as torch DDP reads its
+        module's buffers anew at every sync. One ``all_gather_object`` compares the ranks.
+        If they hold the same synced buffers, with the same shapes and dtypes, that is the
+        new agreement and None is returned; otherwise the error to raise on every rank,
+        naming the first buffer that differs.
+        """
+        self._version = _structure.version()
+        _structure.track(self._module.modules())
+        mine: tuple[str, Any]
+        try:
+            owners, dtypes, module_defaults = _scan(self._module, self._ignored)
+            policies = dict(self.policies)
+            new = {n: d for n, d in dtypes.items() if n not in policies}
+            if new:
+                resolved = resolve_policies(
+                    dtypes,
+                    rules=self._rules,
+                    module_rules=self._module_rules,
+                    module_defaults=module_defaults,
+                    default=self._default,
+                    unmatched_ok=True,
+                )
+                policies.update({n: resolved[n] for n in new})
+            policies = {n: policies[n] for n in owners}
+            view = {n: _synced_text(owners[n], p) for n, p in policies.items() if p != "none"}
+            mine = ("ok", view)
+        except Exception as exc:  # reported to every rank
+            mine = ("error", f"{type(exc).__name__}: {exc}")
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.process_group)
+        for rank, (kind, payload) in enumerate(gathered):
+            if kind == "error":
+                return f"buffers changed after the model was wrapped; on rank {rank}: {payload}"
+        views = [payload for _, payload in gathered]
+        for name in dict.fromkeys(n for v in views for n in v):
+            seen = [v.get(name) for v in views]
+            if any(v != seen[0] for v in seen):
+                return self._deviation_message(name, seen)
+        self._adopt(owners, policies)
+        return None
+
+    def _adopt(self, owners: dict[str, tuple[nn.Module, str]], policies: dict[str, Policy]) -> None:
+        """Take ``owners`` and ``policies`` (agreed by every rank) as the buffers to sync."""
+        old = self.policies
+        tensors: dict[str, torch.Tensor] = {}
+        for name, (mod, attr) in owners.items():
+            buf = mod._buffers[attr]
+            assert buf is not None  # _scan skips None buffers
+            tensors[name] = buf
+        changed = [n for n, t in tensors.items() if self._layout.get(n) != (t.shape, t.dtype)]
+        self._owners = owners
+        self.policies = policies
+        self._layout = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+        self._places = {n: (t.dtype, t.device) for n, t in tensors.items()}
+        self.groups = group_buffers(policies, self._places)
+        self._packed = {}
+        self._deviation = {}
+        for name in [n for n in self._baseline if n not in policies]:
+            del self._baseline[name]
+        sums = [n for n in changed if policies[n] == "sum"]
+        self.reset_baseline(sums)
+        self._watch_loads([n for n in sums if n not in old])
+        if changed or len(policies) != len(old):
+            log.info(
+                "bucketddp: the ranks agree on changed buffers; new or resized: %s, gone: %s",
+                changed[:10],
+                [n for n in old if n not in policies][:10],
+            )
+
+    def _current(self, name: str) -> torch.Tensor | None:
+        mod, attr = self._owners[name]
+        return mod._buffers.get(attr)
+
+    def _deviation_message(self, name: str, seen: list[str | None]) -> str:
+        by_value: dict[str | None, list[int]] = {}
+        for rank, value in enumerate(seen):
+            by_value.setdefault(value, []).append(rank)
+        where = "; ".join(
+            f"{'absent or None' if v is None else v} on ranks {r}"
+            for v, r in list(by_value.items())[:4]
+        )
+        was = f" (it was {_layout_text(*self._layout[name])})" if name in self._layout else ""
+        return (
+            f"buffer {name!r} changed after the model was wrapped, and not alike on every "
+            f"rank: {where}{was}. A synced buffer needs the same shape and dtype on every "
+            "rank, so it was left out of the buffer sync. For a buffer holding per-rank data "
+            "(a cache, the last batch) or one that only some ranks have, give it the policy "
+            f"'none': buffer_sync={{{name!r}: 'none'}}, or in configure_buffer_sync(); "
+            "otherwise change it alike on every rank."
+        )
 
     def broadcast_buffers(self) -> list[torch.Tensor]:
         """The buffers whose policy is ``"broadcast"``."""
         return [self._get(n) for n, p in self.policies.items() if p == "broadcast"]
 
-    def _packing(self, i: int, tensors: list[torch.Tensor]) -> FlatTensors:
+    def _packing(self, i: int, tensors: Sequence[torch.Tensor | None]) -> FlatTensors:
         # Reused from sync to sync while the group's buffers are the same tensor objects; a
-        # module that reassigns a buffer (or is moved with .to()) gets a fresh packing.
+        # module that reassigns a buffer (or is moved with .to()) gets a fresh packing, with
+        # a stand-in for a buffer whose layout changed (see _fit).
         packed = self._packed.get(i)
         if packed is None or not packed.is_for(tensors):
-            as_bytes = self.groups[i].policy == "broadcast"
-            packed = self._packed[i] = FlatTensors(tensors, as_bytes=as_bytes)
+            group = self.groups[i]
+            fitted = self._fit(group.names, tensors, str(group.policy))
+            packed = self._packed[i] = FlatTensors(fitted, as_bytes=group.policy == "broadcast")
         return packed
 
     def _apply_custom(self, name: str, fn: BufferFn) -> None:
@@ -527,6 +668,53 @@ class BufferSync:
         if base.device != t.device or base.dtype != t.dtype:  # the module moved
             base = self._baseline[name] = base.to(device=t.device, dtype=t.dtype)
         return base
+
+
+def _none_message(name: str, policy: str) -> str:
+    return (
+        f"buffer {name!r} was set to None or deleted after the model was wrapped, so its "
+        f"policy ({policy}) has nothing to sync. Give it a tensor again before the next "
+        "forward, or wrap the model again."
+    )
+
+
+def _scan(
+    module: nn.Module, ignored: Collection[str]
+) -> tuple[dict[str, tuple[nn.Module, str]], dict[str, torch.dtype], dict[str, Policy]]:
+    """The module's buffers to sync: (owner and attribute, dtype, own module default) by name."""
+    owners: dict[str, tuple[nn.Module, str]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    module_defaults: dict[str, Policy] = {}
+    seen: set[int] = set()
+    for mod_name, mod in module.named_modules():
+        own = getattr(mod, "default_buffer_policy", None)
+        for attr, buf in mod.named_buffers(recurse=False):
+            # A tensor registered under two names is synced once, under its first name
+            # (the one ``named_buffers()`` and ``state_dict()`` report).
+            if buf is None or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            full = f"{mod_name}.{attr}" if mod_name else attr
+            if full in ignored:
+                continue
+            owners[full] = (mod, attr)
+            dtypes[full] = buf.dtype
+            if own is not None:
+                module_defaults[full] = own
+    return owners, dtypes, module_defaults
+
+
+def _synced_text(owner: tuple[nn.Module, str], policy: Policy) -> str:
+    """What ranks must agree on for a synced buffer: its layout (a custom policy's name)."""
+    if not isinstance(policy, str):
+        return f"custom policy {policy_label(policy)}"
+    buf = owner[0]._buffers[owner[1]]
+    assert buf is not None
+    return _layout_text(buf.shape, buf.dtype)
+
+
+def _layout_text(shape: torch.Size, dtype: torch.dtype) -> str:
+    return f"shape {list(shape)} {str(dtype).removeprefix('torch.')}"
 
 
 def _preserve_versions(tensors: tuple[torch.Tensor, ...]) -> contextlib.AbstractContextManager[Any]:

@@ -37,7 +37,7 @@ class FlatTensors:
         self._slices = list(self.flat.split(sizes))
         self._simple = all(v is not None for v in self._views)
 
-    def is_for(self, tensors: Sequence[torch.Tensor]) -> bool:
+    def is_for(self, tensors: Sequence[torch.Tensor | None]) -> bool:
         """Whether this packing still describes exactly ``tensors`` (same objects)."""
         return len(tensors) == len(self.tensors) and all(
             a is b for a, b in zip(tensors, self.tensors, strict=True)

@@ -299,6 +299,7 @@ class BucketDataParallel(nn.Module, Joinable):
             sparse_names=_sparse_parameters(self.module),
             **self._reducer_options,
         )
+        reducer.buffer_layout = self.buffers_sync
         # A wrapper that is dropped takes its hooks along, as torch DDP's reducer does when
         # it is destroyed: the module trains plainly again, and a new wrapper is alone on it.
         # (The hooks hold the reducer, not the wrapper, so the wrapper can be collected.)

@@ -19,8 +19,11 @@ trainable or not: the ranks on which it requires a gradient. That is how ranks a
 frozen on every rank is skipped, one unfrozen on every rank joins the plan at the end of
 the first backward that sees it (its gradient for that step is averaged then, in one
 extra collective), and one that differs between ranks is an error on every rank. The very
-last element counts the ranks whose module gained parameters after wrapping (see
-``module_changed``): any is an error on every rank.
+last two elements count the ranks whose module gained parameters after wrapping (see
+``module_changed``): any is an error on every rank; and the ranks whose synced buffers no
+longer have the shape and dtype the ranks agreed on (see ``BufferLayout``): then the ranks
+compare their buffers, and adopt the new layout if every rank has it, or raise on every
+rank if not.
 
 Sparse gradients (embeddings with ``sparse=True``) get no slot: each is all-reduced on its
 own, in place, just before the last bucket, which waits for them.
@@ -35,7 +38,7 @@ import time
 import weakref
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -95,6 +98,24 @@ class CommStats:
     """Time spent at the end of backward waiting for communication to finish."""
     buckets: int = 0
     """Buckets in the plan used for the step."""
+
+
+class BufferLayout(Protocol):
+    """What the reducer needs of the buffer sync: whether this rank's buffers changed.
+
+    Buffers registered, deleted or reshaped after wrapping must be agreed by every rank
+    before the sync can carry them (its collectives would not match otherwise). The change
+    travels in the flags of the next synced backward, where every rank calls ``settle``.
+    """
+
+    @property
+    def deviates(self) -> bool:
+        """Whether this rank's buffers may differ from those the ranks last agreed on."""
+        ...
+
+    def settle(self) -> str | None:
+        """On every rank at once: agree on the buffers anew, or return the error to raise."""
+        ...
 
 
 class _Bucket:
@@ -204,6 +225,8 @@ class Reducer:
         self._removed: list[str] = []
         self._changed_handles: list[RemovableHandle] = []
         self._comm_hook: tuple[Any, CommHook] | None = None
+        # The wrapper's buffer sync, whose layout changes travel in the flags.
+        self.buffer_layout: BufferLayout | None = None
         # The future of the hook called last in this step: the next bucket's hook waits
         # for it (see comm_hooks.call_after).
         self._hook_tail: torch.futures.Future[Any] | None = None
@@ -277,7 +300,7 @@ class Reducer:
         bucket_of: list[_Bucket] = [None] * n  # type: ignore[list-item]
         # The flags, at the end of the last bucket: one row of them per group of ranks small
         # enough that the bucket's dtype counts it exactly (see _flag_rows).
-        width = n + len(self._all_params) + 1
+        width = n + len(self._all_params) + 2
         rows = _flag_rows(plan[-1].dtype if plan else torch.float32, self.world_size)
         extra = rows * width
         riders = len(self._sparse)
@@ -314,7 +337,8 @@ class Reducer:
         if buckets:
             # The flags' two parts: per planned parameter a count (missing or used ranks),
             # then the agreement part: per model parameter the ranks on which it requires a
-            # gradient, and last the ranks whose module gained parameters after wrapping.
+            # gradient, then the ranks whose module gained parameters after wrapping, and
+            # last the ranks whose synced buffers changed layout.
             flags = buckets[-1].flags
             assert flags is not None
             self._flag_table = flags.view(-1, width)
@@ -322,7 +346,7 @@ class Reducer:
             self._counts, self._agreement = mine[:n], mine[n:]
             # What the agreement part holds, before and after the sum, when exactly the
             # planned parameters require a gradient on every rank and no module changed.
-            mask = torch.zeros(len(self._all_params) + 1, dtype=flags.dtype, device=flags.device)
+            mask = torch.zeros(len(self._all_params) + 2, dtype=flags.dtype, device=flags.device)
             mask[self._members] = 1
             self._agreed = mask
             self._agreed_summed = _summed(mask) * self.world_size
@@ -733,16 +757,25 @@ class Reducer:
                 for ready, used, p in zip(self._ready, self._used, self._params, strict=True)
             ]
             counts.copy_(torch.tensor(missing, dtype=counts.dtype))
-        if self._n_ready == n and not self._outside_trainable and self._changed is None:
+        if (
+            self._n_ready == n
+            and not self._outside_trainable
+            and self._changed is None
+            and not self._buffers_deviate()
+        ):
             # Every planned parameter got a gradient, so it requires one; nothing else does.
             agreement.copy_(self._agreed)
         else:
             self._write_local_agreement(agreement)
 
     def _write_local_agreement(self, agreement: torch.Tensor) -> None:
-        """This rank's agreement part: requires_grad per model parameter, then "changed"."""
+        """This rank's agreement part: requires_grad per model parameter, then two changes."""
         local = [p.requires_grad for p in self._all_params]
-        agreement.copy_(torch.tensor([*local, self._changed is not None], dtype=agreement.dtype))
+        changes = [self._changed is not None, self._buffers_deviate()]
+        agreement.copy_(torch.tensor([*local, *changes], dtype=agreement.dtype))
+
+    def _buffers_deviate(self) -> bool:
+        return self.buffer_layout is not None and self.buffer_layout.deviates
 
     # --------------------------------------------------------------- end of backward
     def _finalize(self) -> None:
@@ -917,9 +950,14 @@ class Reducer:
         frozen: list[bool] | None = None
         joined: list[int] = []
         if not torch.equal(agreement, self._agreed_summed):
-            *ranks, changed = [round(c) for c in agreement.tolist()]
+            *ranks, changed, buffers = [round(c) for c in agreement.tolist()]
             if changed:
                 return self._changed_message(changed), None, []
+            if buffers and self.buffer_layout is not None:
+                # Every rank is here, having read the same sum: they compare buffers now.
+                error = self.buffer_layout.settle()
+                if error is not None:
+                    return error, None, []
             differ = [j for j, c in enumerate(ranks) if 0 < c < self.world_size]
             if differ:
                 return self._differ_message(differ, ranks), None, []
