@@ -714,3 +714,43 @@ def test_import_does_not_pull_lightning() -> None:
         "for m in sys.modules), sorted(m for m in sys.modules if 'lightning' in m)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _kept_gradients(rank: int, world: int) -> dict[str, Any]:
+    """Two losses, the first one's gradients kept across zero_grad (PCGrad-style)."""
+    out = {}
+    for name, wrap in (
+        ("torch", DDP),
+        ("views", BucketDataParallel),
+        ("copies", partial(BucketDataParallel, gradient_as_bucket_view=False)),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        ddp = wrap(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        kept_intact = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            x = torch.randn(3, 4, generator=g)
+            ddp(x).pow(2).sum().backward()
+            first = [p.grad for p in model.parameters()]
+            copies = [f.clone() for f in first]
+            opt.zero_grad(set_to_none=True)
+            ddp(x).sum().backward()
+            kept_intact.append(all(torch.equal(f, c) for f, c in zip(first, copies, strict=True)))
+            for p, f in zip(model.parameters(), first, strict=True):
+                p.grad = p.grad + f
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[name] = (kept_intact, [p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_kept_gradients_are_overwritten_only_with_bucket_views() -> None:
+    # docs/engine.md (gradient_as_bucket_view): a .grad kept past the next backward is
+    # overwritten with bucket views, and stays intact without them, as with torch DDP.
+    for r in run_ranks(_kept_gradients, 2, timeout=60):
+        assert r["torch"][0] == r["copies"][0] == [True] * 3
+        assert r["views"][0] == [False] * 3
+        for ours, theirs in zip(r["copies"][1], r["torch"][1], strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)

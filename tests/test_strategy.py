@@ -495,7 +495,8 @@ def test_unused_parameter_error_reaches_the_user(
         message = r["unused_error"]
         assert message is not None
         assert "['idle.weight', 'idle.bias']" in message
-        assert "find_unused_parameters=True" in message
+        assert "Pass BucketDDP(find_unused_parameters=True), or " in message
+        assert 'Trainer(strategy="bucket_ddp_find_unused_parameters_true")' in message
 
 
 def test_resume_at_world_size_1(

@@ -225,6 +225,9 @@ class Reducer:
         self._removed: list[str] = []
         self._changed_handles: list[RemovableHandle] = []
         self._comm_hook: tuple[Any, CommHook] | None = None
+        # How the unused-parameter error tells the user to allow such parameters; the
+        # Lightning strategy names its own option and registered name instead.
+        self.unused_hint = "Pass find_unused_parameters=True"
         # The wrapper's buffer sync, whose layout changes travel in the flags.
         self.buffer_layout: BufferLayout | None = None
         # The future of the hook called last in this step: the next bucket's hook waits
@@ -1091,9 +1094,9 @@ class Reducer:
         shown = missing[:10] + (["..."] if len(missing) > 10 else [])
         return (
             f"BucketDataParallel: parameters {shown} received no gradient in this backward "
-            "pass on at least one rank, so their gradients cannot be reduced. Pass "
-            "find_unused_parameters=True, or make every parameter contribute to the loss on "
-            "every rank."
+            f"pass on at least one rank, so their gradients cannot be reduced. "
+            f"{self.unused_hint}, or make every parameter contribute to the loss on every "
+            "rank."
         )
 
     def _changed_message(self, ranks: int) -> str:

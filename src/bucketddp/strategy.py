@@ -236,6 +236,10 @@ class BucketDDP(DDPStrategy):
         """Wrap the LightningModule and adopt the bucket order of a loaded checkpoint."""
         assert isinstance(self.model, LightningModule)
         wrapped = self._setup_model(self.model)
+        wrapped.reducer.unused_hint = (
+            "Pass BucketDDP(find_unused_parameters=True), or "
+            'Trainer(strategy="bucket_ddp_find_unused_parameters_true")'
+        )
         if self._comm_hook is not None:
             wrapped.register_comm_hook(*self._comm_hook)
         self.model = wrapped
