@@ -137,6 +137,13 @@ class _Bucket:
         # The all-reduce of the storage, or with a communication hook, the hook's future.
         self.work: dist.Work | torch.futures.Future[Any] | None = None
 
+    def rebind(self, storage: torch.Tensor) -> None:
+        """Hold ``storage`` (same size and contents) from now on."""
+        numel = self.grads.numel()
+        self.storage = storage
+        self.grads = storage[:numel]
+        self.flags = storage[numel:] if storage.numel() > numel else None
+
     def wait(self) -> Any:
         """Wait for the bucket's communication; returns what a hook's future holds."""
         value = None
@@ -303,7 +310,7 @@ class Reducer:
         bucket_of: list[_Bucket] = [None] * n  # type: ignore[list-item]
         # The flags, at the end of the last bucket: one row of them per group of ranks small
         # enough that the bucket's dtype counts it exactly (see _flag_rows).
-        width = n + len(self._all_params) + 2
+        width = self._flag_width = n + len(self._all_params) + 2
         rows = _flag_rows(plan[-1].dtype if plan else torch.float32, self.world_size)
         extra = rows * width
         riders = len(self._sparse)
@@ -338,15 +345,7 @@ class Reducer:
         self._bucket_of = bucket_of
         self.plan = plan
         if buckets:
-            # The flags' two parts: per planned parameter a count (missing or used ranks),
-            # then the agreement part: per model parameter the ranks on which it requires a
-            # gradient, then the ranks whose module gained parameters after wrapping, and
-            # last the ranks whose synced buffers changed layout.
-            flags = buckets[-1].flags
-            assert flags is not None
-            self._flag_table = flags.view(-1, width)
-            mine = self._flag_table[self.rank % len(self._flag_table)]
-            self._counts, self._agreement = mine[:n], mine[n:]
+            flags = self._bind_flags()
             # What the agreement part holds, before and after the sum, when exactly the
             # planned parameters require a gradient on every rank and no module changed.
             mask = torch.zeros(len(self._all_params) + 2, dtype=flags.dtype, device=flags.device)
@@ -355,6 +354,46 @@ class Reducer:
             self._agreed_summed = _summed(mask) * self.world_size
         if self.rank == 0:
             log.debug("bucketddp plan: %s", plan.describe())
+
+    def _bind_flags(self) -> torch.Tensor:
+        """Take the flags' views from the last bucket's storage; returns the flags."""
+        # The flags' two parts: per planned parameter a count (missing or used ranks), then
+        # the agreement part: per model parameter the ranks on which it requires a gradient,
+        # then the ranks whose module gained parameters after wrapping, and last the ranks
+        # whose synced buffers changed layout.
+        flags = self._buckets[-1].flags
+        assert flags is not None
+        self._flag_table = flags.view(-1, self._flag_width)
+        mine = self._flag_table[self.rank % len(self._flag_table)]
+        n = len(self._params)
+        self._counts, self._agreement = mine[:n], mine[n:]
+        return flags
+
+    def _copy_on_write(self, i: int) -> torch.Tensor:
+        """Give parameter ``i``'s bucket new storage, as it is; returns ``i``'s new slot.
+
+        For a ``.grad`` kept from an earlier step (``g = p.grad`` before
+        ``zero_grad(set_to_none=True)``): it is a view of the bucket, and writing this
+        step's gradients there would change it, where torch DDP gives a fresh tensor after
+        ``set_to_none``. The kept views keep the old storage; the bucket moves on.
+        """
+        bucket = self._bucket_of[i]
+        storage = bucket.storage.clone()
+        setattr(storage, _OWNER, weakref.ref(self))
+        bucket.rebind(storage)
+        members = bucket.members
+        for j, view in zip(
+            members, _slots(storage, [self._params[j] for j in members]), strict=True
+        ):
+            param = self._params[j]
+            if param.grad is self._views[j]:  # staged this step, or accumulated in place
+                param.grad = view
+            self._views[j] = view
+            self._ptrs[j] = view.data_ptr()
+        if bucket.flags is not None:
+            self._bind_flags()
+        log.debug("bucketddp: a kept gradient of %r: its bucket got new storage", self._names[i])
+        return self._views[i]
 
     @property
     def all_names(self) -> list[str]:
@@ -580,6 +619,10 @@ class Reducer:
             if self._comm_hook is None:  # a hook averages for itself
                 view.div_(self._divisor)  # accumulated in place, in the slot
             return view
+        if sys.getrefcount(view) > _SOLE_REFS:
+            # Someone kept this slot's view, the .grad of an earlier step: writing here
+            # would change what they hold.
+            view = self._copy_on_write(i)
         if grad is None:
             view.zero_()
             return view
@@ -713,9 +756,9 @@ class Reducer:
             self._scale = 1.0 / ranks
 
     def _launch_hook(self, bucket: _Bucket) -> None:
-        bucket.work = self._call_hook(
-            self._next, bucket.grads, [self._views[i] for i in bucket.members]
-        )
+        # Views of its own for the hook's GradBucket: one it keeps must not hold the slots'
+        # views, which would look like a .grad kept by the user (see _fill_slot).
+        bucket.work = self._call_hook(self._next, bucket.grads)
 
     def _call_hook(
         self, k: int, grads: torch.Tensor, views: list[torch.Tensor] | None = None
@@ -1214,6 +1257,20 @@ def _flag_rows(dtype: torch.dtype, world_size: int) -> int:
 def _summed(flags: torch.Tensor) -> torch.Tensor:
     """``flags`` as float64 (the real part of complex ones), to read sums of counts."""
     return (flags.real if flags.is_complex() else flags).to(torch.float64)
+
+
+def _sole_refs() -> int:
+    """What ``sys.getrefcount`` gives in ``_fill_slot`` for a slot view nobody else holds.
+
+    Measured the way ``_fill_slot`` reads it (a list element bound to a local), so that the
+    figure holds on any Python version.
+    """
+    held = [torch.empty(0)]
+    view = held[0]
+    return sys.getrefcount(view)
+
+
+_SOLE_REFS = _sole_refs()
 
 
 def _slots(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
