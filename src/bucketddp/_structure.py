@@ -11,11 +11,12 @@ a wrapper compares its parameters only when that count has moved since it last l
 Writes straight into ``module._parameters`` bypass the hooks; they are noticed at the next
 assignment that goes through them.
 
-Buffers are counted apart, only on the modules of wrapped models (:func:`track`), and only
-the assignments that change what a buffer sync sees: a new buffer name, a buffer set to or
-from None, or a tensor of another shape or dtype. Reassigning a buffer with a tensor like
-the old one (``self.n = self.n + 1``) is not counted, nor is building an unrelated module
-during training. ``version()`` moves with either count.
+Buffers are counted apart (:func:`buffer_version`), only on the modules of wrapped models
+(:func:`track`), and only the assignments that change what a buffer sync sees: a new
+buffer name, a buffer set to or from None, a tensor of another shape or dtype, or a
+submodule attached (which may bring buffers). Reassigning a buffer with a tensor like the
+old one (``self.n = self.n + 1``) is not counted, nor is building an unrelated module
+during training.
 """
 
 from __future__ import annotations
@@ -47,12 +48,18 @@ def _bump_buffer(module: Any, name: str, tensor: Any) -> None:
         _buffer_count[0] += 1
 
 
+def _bump_submodule(module: Any, *_: Any) -> None:
+    _count[0] += 1
+    if module in _tracked:
+        _buffer_count[0] += 1
+
+
 def watch() -> None:
     """Start counting registrations in this process (idempotent; the hooks stay installed)."""
     global _installed
     if not _installed:
         _module.register_module_parameter_registration_hook(_bump)
-        _module.register_module_module_registration_hook(_bump)
+        _module.register_module_module_registration_hook(_bump_submodule)
         _module.register_module_buffer_registration_hook(_bump_buffer)
         _installed = True
 
@@ -62,9 +69,9 @@ def registrations() -> int:
     return _count[0]
 
 
-def version() -> int:
-    """Moves whenever a parameter, submodule or buffer assignment may change a model's layout."""
-    return _count[0] + _buffer_count[0]
+def buffer_version() -> int:
+    """Moves whenever an assignment on a tracked module may change the buffers it holds."""
+    return _buffer_count[0]
 
 
 def track(modules: Iterable[nn.Module]) -> None:

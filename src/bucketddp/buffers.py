@@ -286,7 +286,7 @@ class BufferSync:
         self.rank_local: set[str] = set()
         _structure.watch()
         _structure.track(module.modules())
-        self._version = _structure.version()
+        self._version = _structure.buffer_version()
         error: Exception | None = None
         policies: dict[str, Policy] = {}
         try:
@@ -519,10 +519,10 @@ class BufferSync:
         """Whether this rank's buffers may no longer be those the ranks agreed on.
 
         True when the last sync left out a buffer whose layout changed (see ``_fit``), or
-        when some module gained or lost a buffer, changed one's shape or dtype, or gained a
-        submodule since the ranks last agreed (counted by torch's registration hooks).
+        when a module of the model gained or lost a buffer, changed one's shape or dtype,
+        or gained a submodule since the ranks last agreed (torch's registration hooks).
         """
-        return bool(self._deviation) or _structure.version() != self._version
+        return bool(self._deviation) or _structure.buffer_version() != self._version
 
     def settle(self) -> str | None:
         """Agree with the other ranks on the synced buffers: adopt them, or return the error.
@@ -538,7 +538,7 @@ class BufferSync:
         new agreement and None is returned; otherwise the error to raise on every rank,
         naming the first buffer that differs.
         """
-        self._version = _structure.version()
+        self._version = _structure.buffer_version()
         _structure.track(self._module.modules())
         mine: tuple[str, Any]
         try:
