@@ -231,6 +231,63 @@ def _changed_buffers(rank: int, world: int) -> dict[str, Any]:
     out["none back"] = (_train(ddp, 2)[0], model.stat.clone())
     for none_at_wrap in (False, True):
         out[f"late {none_at_wrap}"] = _late_buffers(rank, none_at_wrap)
+    out.update(_more_changes(rank))
+    return out
+
+
+def _halve(buf: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """A custom policy with a collective of its own: the mean of the ranks' values."""
+    dist.all_reduce(buf, group=group)
+    buf /= dist.get_world_size(group)
+
+
+class _Counting(nn.Module):
+    """A "sum" counter registered as None, given a tensor in the first forward, then added to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("kept", torch.zeros(2))
+        self.register_buffer("count", None)  # a rule may name it before it holds a tensor
+        self.counting = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.counting:
+            pass
+        elif self.count is None:
+            self.count = torch.full((), float(len(x)))
+        else:
+            self.count += len(x)
+        return self.lin(x)
+
+
+def _more_changes(rank: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # A "sum" buffer registered after wrapping counts every rank's additions: ground truth
+    # 4 steps of 2 + 3 samples. Then it leaves the sync, and a load still works.
+    model = _Counting()
+    ddp = BucketDataParallel(model, buffer_sync={"count": "sum"})
+    for _ in range(4):
+        ddp(torch.ones(2 + rank, 2)).sum().backward()
+    ddp.sync_buffers()
+    out["sum joins"] = model.count.clone()
+    saved = model.state_dict()
+    model.counting, model.count = False, None
+    _train(ddp, 2)
+    model.load_state_dict(saved, strict=False)
+    out["sum leaves"] = sorted(ddp.buffers_sync.policies)
+    # A buffer with a custom policy set to None on every rank leaves the sync too.
+    model = _Changing()
+    ddp = BucketDataParallel(model, buffer_sync={"stat": _halve})
+    model.stat = None
+    out["custom none"] = (_train(ddp, 2)[0], sorted(ddp.buffers_sync.policies))
+    # A buffer given other memory in place keeps syncing: ground truth, rank 0's value.
+    model = _Changing()
+    ddp = BucketDataParallel(model)
+    ddp(torch.ones(1, 2)).sum().backward()
+    model.stat.data = torch.full((4,), float(rank + 1))
+    ddp(torch.ones(1, 2)).sum().backward()
+    out["data assigned"] = model.stat.clone()
     return out
 
 
@@ -863,3 +920,13 @@ def test_a_buffer_gained_after_wrapping_is_synced_as_by_torch_ddp(
         torch.testing.assert_close(our_weight, their_weight, atol=1e-6, rtol=0)
     first, second = (r[f"late {none_at_wrap}"]["ours"][0] for r in changed)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_buffers_that_join_leave_or_move_keep_their_policies(
+    changed: list[dict[str, Any]],
+) -> None:
+    for result in changed:
+        assert torch.equal(result["sum joins"], torch.tensor(20.0))  # 4 * (2 + 3)
+        assert result["sum leaves"] == ["kept"]  # and the load after it raised nothing
+        assert result["custom none"] == ("no error", ["other"])
+        assert torch.equal(result["data assigned"], torch.full((4,), 1.0))

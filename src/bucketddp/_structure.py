@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
@@ -41,7 +42,7 @@ _tracked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _bump_buffer(module: Any, name: str, tensor: Any) -> None:
-    if module not in _tracked:
+    if torch.compiler.is_compiling() or module not in _tracked:
         return
     old = module.__dict__.get("_buffers", {}).get(name)
     if old is None or tensor is None or old.shape != tensor.shape or old.dtype != tensor.dtype:
@@ -50,7 +51,9 @@ def _bump_buffer(module: Any, name: str, tensor: Any) -> None:
 
 def _bump_submodule(module: Any, *_: Any) -> None:
     _count[0] += 1
-    if module in _tracked:
+    # Not while torch.compile traces (a registration there is replayed, not made; and the
+    # tracer cannot look into the weak set).
+    if not torch.compiler.is_compiling() and module in _tracked:
         _buffer_count[0] += 1
 
 

@@ -97,6 +97,7 @@ def resolve_policies(
     module_defaults: Mapping[str, Policy] | None = None,
     default: Policy = "broadcast",
     unmatched_ok: bool = False,
+    placeholders: Collection[str] = (),
 ) -> dict[str, Policy]:
     """Give every buffer its policy, following the precedence in this module's docstring.
 
@@ -108,6 +109,8 @@ def resolve_policies(
         default: the policy of every buffer no rule names.
         unmatched_ok: allow keys that match no buffer (after wrapping, when a buffer a rule
             names may have been deleted).
+        placeholders: names of buffers registered as None, to be given a tensor later: a
+            key may match one of them instead of a buffer.
 
     Returns:
         buffer name to policy, in the order of ``buffers``.
@@ -130,9 +133,9 @@ def resolve_policies(
             if not isinstance(key, str):
                 raise TypeError(f"{source} key {key!r} is not a string; use a buffer name")
             check_policy(policy, f"{key!r} in {source}")
-            if unmatched_ok or key in buffers:
+            if unmatched_ok or key in buffers or key in placeholders:
                 continue
-            if not any(fnmatch.fnmatchcase(n, key) for n in buffers):
+            if not any(fnmatch.fnmatchcase(n, key) for n in [*buffers, *placeholders]):
                 raise ValueError(f"{source} key {key!r} matches no buffer; {_describe(buffers)}")
 
     resolved: dict[str, Policy] = {}
@@ -335,6 +338,7 @@ class BufferSync:
             module_rules=module_rules,
             module_defaults=module_defaults,
             default=default,
+            placeholders=_placeholders(module, self._ignored),
         )
         # A module that declares "none" for its own buffers (SyncBatchNorm) means they stay
         # in agreement by themselves, not that they are rank-local: they still start from
@@ -405,8 +409,10 @@ class BufferSync:
         """
         with torch.inference_mode(False):  # kept for later syncs, as in ``sync``
             for name in self.policies if names is None else names:
-                if self.policies[name] == "sum":
-                    self._baseline[name] = self._get(name).detach().clone()
+                buf = self._current(name) if name in self._owners else None
+                # Not a buffer that left the sync since, or is None until the ranks settle.
+                if buf is not None and self.policies.get(name) == "sum":
+                    self._baseline[name] = buf.detach().clone()
 
     def buffers_from_rank0(self) -> list[torch.Tensor]:
         """The buffers that must start from rank 0's value when the model is wrapped.
@@ -471,7 +477,14 @@ class BufferSync:
         for i, (group, tensors) in enumerate(zip(self.groups, by_group, strict=True)):
             policy = group.policy
             if not isinstance(policy, str):
-                self._apply_custom(group.names[0], policy)
+                name = group.names[0]
+                if tensors[0] is None:
+                    # Set to None here: the function gets a stand-in, so that collectives it
+                    # launches still match the other ranks', and the ranks settle after
+                    # the next synced backward (the buffer leaves the sync, or they raise).
+                    policy(self._fit(group.names, tensors, "custom")[0], self.process_group)
+                else:
+                    self._apply_custom(name, policy)
                 continue
             if policy == "sum":
                 count += self._sync_sum(group.names, self._fit(group.names, tensors, policy))
@@ -592,7 +605,12 @@ class BufferSync:
         for name in [n for n in self._baseline if n not in policies]:
             del self._baseline[name]
         sums = [n for n in changed if policies[n] == "sum"]
-        self.reset_baseline(sums)
+        # A "sum" buffer that joins the sync has no agreed value yet: all of it counts as
+        # each rank's addition. One that changed shape alike on every rank takes its value
+        # as agreed, as a load does.
+        self.reset_baseline([n for n in sums if n in old])
+        for name in [n for n in sums if n not in old]:
+            self._baseline[name] = torch.zeros_like(tensors[name])
         self._watch_loads([n for n in sums if n not in old])
         if changed or len(policies) != len(old):
             log.info(
@@ -702,6 +720,16 @@ def _scan(
             if own is not None:
                 module_defaults[full] = own
     return owners, dtypes, module_defaults
+
+
+def _placeholders(module: nn.Module, ignored: Collection[str]) -> list[str]:
+    """The names of the module's buffers registered as None (to be given a tensor later)."""
+    return [
+        f"{mod_name}.{attr}" if mod_name else attr
+        for mod_name, mod in module.named_modules()
+        for attr, buf in mod._buffers.items()
+        if buf is None and (f"{mod_name}.{attr}" if mod_name else attr) not in ignored
+    ]
 
 
 def _synced_text(owner: tuple[nn.Module, str], policy: Policy) -> str:

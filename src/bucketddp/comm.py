@@ -36,11 +36,18 @@ class FlatTensors:
         self.flat = torch.empty(sum(sizes), dtype=dtype, device=self.tensors[0].device)
         self._slices = list(self.flat.split(sizes))
         self._simple = all(v is not None for v in self._views)
+        self._places = [(t.data_ptr(), t.shape) for t in self.tensors]
 
     def is_for(self, tensors: Sequence[torch.Tensor | None]) -> bool:
-        """Whether this packing still describes exactly ``tensors`` (same objects)."""
+        """Whether this packing still describes exactly ``tensors``.
+
+        The same objects, with the same memory and shape: a tensor given other memory in
+        place (``buf.data = ...``, ``buf.resize_(...)``) needs a new packing, since the
+        packing's views of it would still point at the old memory.
+        """
         return len(tensors) == len(self.tensors) and all(
-            a is b for a, b in zip(tensors, self.tensors, strict=True)
+            a is b and a.data_ptr() == ptr and a.shape == shape
+            for a, b, (ptr, shape) in zip(tensors, self.tensors, self._places, strict=True)
         )
 
     @torch.no_grad()

@@ -137,13 +137,6 @@ class _Bucket:
         # The all-reduce of the storage, or with a communication hook, the hook's future.
         self.work: dist.Work | torch.futures.Future[Any] | None = None
 
-    def rebind(self, storage: torch.Tensor) -> None:
-        """Hold ``storage`` (same size and contents) from now on."""
-        numel = self.grads.numel()
-        self.storage = storage
-        self.grads = storage[:numel]
-        self.flags = storage[numel:] if storage.numel() > numel else None
-
     def wait(self) -> Any:
         """Wait for the bucket's communication; returns what a hook's future holds."""
         value = None
@@ -370,30 +363,17 @@ class Reducer:
         return flags
 
     def _copy_on_write(self, i: int) -> torch.Tensor:
-        """Give parameter ``i``'s bucket new storage, as it is; returns ``i``'s new slot.
+        """Move the kept view of parameter ``i``'s slot to memory of its own; returns a new slot.
 
         For a ``.grad`` kept from an earlier step (``g = p.grad`` before
         ``zero_grad(set_to_none=True)``): it is a view of the bucket, and writing this
-        step's gradients there would change it, where torch DDP gives a fresh tensor after
-        ``set_to_none``. The kept views keep the old storage; the bucket moves on.
+        step's gradient there would change it, where torch DDP gives a fresh tensor after
+        ``set_to_none``. The kept tensor object gets a copy of its values (one gradient's
+        copy, as torch's fresh tensor costs), and the slot a new view.
         """
-        bucket = self._bucket_of[i]
-        storage = bucket.storage.clone()
-        setattr(storage, _OWNER, weakref.ref(self))
-        bucket.rebind(storage)
-        members = bucket.members
-        for j, view in zip(
-            members, _slots(storage, [self._params[j] for j in members]), strict=True
-        ):
-            param = self._params[j]
-            if param.grad is self._views[j]:  # staged this step, or accumulated in place
-                param.grad = view
-            self._views[j] = view
-            self._ptrs[j] = view.data_ptr()
-        if bucket.flags is not None:
-            self._bind_flags()
-        log.debug("bucketddp: a kept gradient of %r: its bucket got new storage", self._names[i])
-        return self._views[i]
+        kept = self._views[i]
+        kept.data = kept.clone()
+        return self._reslot(i)
 
     @property
     def all_names(self) -> list[str]:
