@@ -719,10 +719,11 @@ def test_import_does_not_pull_lightning() -> None:
 def _kept_gradients(rank: int, world: int) -> dict[str, Any]:
     """Two losses, the first one's gradients kept across zero_grad (PCGrad-style)."""
     out = {}
-    for name, wrap in (
-        ("torch", DDP),
-        ("views", BucketDataParallel),
-        ("copies", partial(BucketDataParallel, gradient_as_bucket_view=False)),
+    for name, wrap, keep in (
+        ("torch", DDP, None),
+        ("views", BucketDataParallel, None),
+        ("views, detached", BucketDataParallel, torch.Tensor.detach),
+        ("copies", partial(BucketDataParallel, gradient_as_bucket_view=False), None),
     ):
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2)
@@ -733,7 +734,7 @@ def _kept_gradients(rank: int, world: int) -> dict[str, Any]:
             g = torch.Generator().manual_seed(10 * step + rank)
             x = torch.randn(3, 4, generator=g)
             ddp(x).pow(2).sum().backward()
-            first = [p.grad for p in model.parameters()]
+            first = [p.grad if keep is None else keep(p.grad) for p in model.parameters()]
             copies = [f.clone() for f in first]
             opt.zero_grad(set_to_none=True)
             ddp(x).sum().backward()
@@ -751,6 +752,7 @@ def test_gradients_kept_past_the_next_backward_stay_intact_as_with_torch_ddp() -
     # ended 0.059 from torch DDP's in a Lightning PCGrad-style module).
     for r in run_ranks(_kept_gradients, 2, timeout=60):
         assert r["torch"][0] == r["copies"][0] == r["views"][0] == [True] * 3
-        for name in ("copies", "views"):
+        assert r["views, detached"][0] == [True] * 3
+        for name in ("copies", "views", "views, detached"):
             for ours, theirs in zip(r[name][1], r["torch"][1], strict=True):
                 torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)

@@ -121,7 +121,7 @@ class BufferLayout(Protocol):
 class _Bucket:
     """Runtime state of one planned bucket."""
 
-    __slots__ = ("expected", "flags", "grads", "members", "pending", "storage", "work")
+    __slots__ = ("expected", "flags", "grads", "members", "own", "pending", "storage", "work")
 
     def __init__(
         self, storage: torch.Tensor, numel: int, members: list[int], riders: int = 0
@@ -136,6 +136,15 @@ class _Bucket:
         self.pending = self.expected
         # The all-reduce of the storage, or with a communication hook, the hook's future.
         self.work: dist.Work | torch.futures.Future[Any] | None = None
+        # How many tensors the reducer itself has on the storage (see Reducer._shared).
+        self.own = 0
+
+    def rebind(self, storage: torch.Tensor) -> None:
+        """Hold ``storage`` (same size and contents) from now on."""
+        numel = self.grads.numel()
+        self.storage = storage
+        self.grads = storage[:numel]
+        self.flags = storage[numel:] if storage.numel() > numel else None
 
     def wait(self) -> Any:
         """Wait for the bucket's communication; returns what a hook's future holds."""
@@ -345,6 +354,8 @@ class Reducer:
             mask[self._members] = 1
             self._agreed = mask
             self._agreed_summed = _summed(mask) * self.world_size
+        for bucket in buckets:
+            bucket.own = _tensors_on(bucket.storage)
         if self.rank == 0:
             log.debug("bucketddp plan: %s", plan.describe())
 
@@ -374,6 +385,31 @@ class Reducer:
         kept = self._views[i]
         kept.data = kept.clone()
         return self._reslot(i)
+
+    def _move_bucket(self, i: int) -> torch.Tensor:
+        """Give parameter ``i``'s bucket new storage, as it is; returns ``i``'s new slot.
+
+        For other tensors on a kept ``.grad``'s memory (``p.grad.view(-1)``,
+        ``p.grad.detach()``, ``p.grad.data``), which cannot be moved themselves: they keep
+        the old storage, and the bucket moves on (one copy of the bucket).
+        """
+        bucket = self._bucket_of[i]
+        storage = bucket.storage.clone()
+        setattr(storage, _OWNER, weakref.ref(self))
+        bucket.rebind(storage)
+        members = bucket.members
+        slots = _slots(storage, [self._params[j] for j in members])
+        for j, view in zip(members, slots, strict=True):
+            param = self._params[j]
+            if param.grad is self._views[j]:  # staged this step, or accumulated in place
+                param.grad = view
+            self._views[j] = view
+            self._ptrs[j] = view.data_ptr()
+        del slots
+        if bucket.flags is not None:
+            self._bind_flags()
+        bucket.own = _tensors_on(storage)
+        return self._views[i]
 
     @property
     def all_names(self) -> list[str]:
@@ -603,6 +639,8 @@ class Reducer:
             # Someone kept this slot's view, the .grad of an earlier step: writing here
             # would change what they hold.
             view = self._copy_on_write(i)
+        if _tensors_on(self._bucket_of[i].storage) > self._bucket_of[i].own:
+            view = self._move_bucket(i)  # someone kept another tensor on the bucket
         if grad is None:
             view.zero_()
             return view
@@ -1237,6 +1275,16 @@ def _flag_rows(dtype: torch.dtype, world_size: int) -> int:
 def _summed(flags: torch.Tensor) -> torch.Tensor:
     """``flags`` as float64 (the real part of complex ones), to read sums of counts."""
     return (flags.real if flags.is_complex() else flags).to(torch.float64)
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _tensors_on(storage: torch.Tensor) -> int:
+    """How many tensors (and storage handles) share ``storage``'s memory; 0 if unknown."""
+    if _use_count is None:
+        return 0
+    return int(_use_count(storage.untyped_storage()._cdata))
 
 
 def _sole_refs() -> int:
