@@ -744,6 +744,21 @@ def _kept_gradients(rank: int, world: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=True)
         out[name] = (kept_intact, [p.detach().clone() for p in model.parameters()])
+    # A tensor taken on a gradient during the backward (a hook registered after wrapping)
+    # shares the reduced gradient, as with torch DDP: the bucket does not move under it.
+    for name, wrap in (("torch", DDP), ("views", BucketDataParallel)):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        ddp = wrap(model)
+        taken: list[torch.Tensor] = []
+        last = model[1].weight  # ready early in the backward; the first layer's come later
+        last.register_post_accumulate_grad_hook(
+            lambda p, taken=taken: taken.append(p.grad.detach())
+        )
+        for _ in range(2):
+            ddp(torch.randn(3, 4)).sum().backward()
+            model.zero_grad(set_to_none=True)
+        ddp(torch.randn(3, 4)).sum().backward()
+        out[f"{name} in backward"] = taken[-1].data_ptr() == last.grad.data_ptr()
     return out
 
 
@@ -753,6 +768,7 @@ def test_gradients_kept_past_the_next_backward_stay_intact_as_with_torch_ddp() -
     for r in run_ranks(_kept_gradients, 2, timeout=60):
         assert r["torch"][0] == r["copies"][0] == r["views"][0] == [True] * 3
         assert r["views, detached"][0] == [True] * 3
+        assert r["torch in backward"] and r["views in backward"]
         for name in ("copies", "views", "views, detached"):
             for ours, theirs in zip(r[name][1], r["torch"][1], strict=True):
                 torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)

@@ -121,7 +121,17 @@ class BufferLayout(Protocol):
 class _Bucket:
     """Runtime state of one planned bucket."""
 
-    __slots__ = ("expected", "flags", "grads", "members", "own", "pending", "storage", "work")
+    __slots__ = (
+        "checked",
+        "expected",
+        "flags",
+        "grads",
+        "members",
+        "own",
+        "pending",
+        "storage",
+        "work",
+    )
 
     def __init__(
         self, storage: torch.Tensor, numel: int, members: list[int], riders: int = 0
@@ -136,8 +146,10 @@ class _Bucket:
         self.pending = self.expected
         # The all-reduce of the storage, or with a communication hook, the hook's future.
         self.work: dist.Work | torch.futures.Future[Any] | None = None
-        # How many tensors the reducer itself has on the storage (see Reducer._shared).
+        # How many tensors the reducer itself has on the storage (see _kept_elsewhere), and
+        # whether a slot of it was written in this backward yet.
         self.own = 0
+        self.checked = False
 
     def rebind(self, storage: torch.Tensor) -> None:
         """Hold ``storage`` (same size and contents) from now on."""
@@ -386,6 +398,17 @@ class Reducer:
         kept.data = kept.clone()
         return self._reslot(i)
 
+    def _kept_elsewhere(self, bucket: _Bucket) -> bool:
+        """Whether tensors other than the reducer's share ``bucket``'s storage.
+
+        Slot views moved elsewhere by a conversion after wrapping (``.data`` rebound) are
+        given new ones first, so that the reducer's own count is exact again.
+        """
+        for j in bucket.members:
+            if self._views[j].data_ptr() != self._ptrs[j]:
+                self._reslot(j)
+        return _tensors_on(bucket.storage) > bucket.own
+
     def _move_bucket(self, i: int) -> torch.Tensor:
         """Give parameter ``i``'s bucket new storage, as it is; returns ``i``'s new slot.
 
@@ -631,6 +654,9 @@ class Reducer:
             # and the view was one. The slot gets a new view; a gradient that is still the
             # old object is copied in from there.
             view = self._reslot(i)
+        bucket = self._bucket_of[i]
+        first = not bucket.checked  # the bucket's first slot written in this backward
+        bucket.checked = True
         if grad is view:
             if self._comm_hook is None:  # a hook averages for itself
                 view.div_(self._divisor)  # accumulated in place, in the slot
@@ -639,8 +665,10 @@ class Reducer:
             # Someone kept this slot's view, the .grad of an earlier step: writing here
             # would change what they hold.
             view = self._copy_on_write(i)
-        if _tensors_on(self._bucket_of[i].storage) > self._bucket_of[i].own:
-            view = self._move_bucket(i)  # someone kept another tensor on the bucket
+        if first and self._kept_elsewhere(bucket):
+            # Someone kept another tensor on the bucket's memory from an earlier step.
+            # (One taken later in this backward shares the gradient as with torch DDP.)
+            view = self._move_bucket(i)
         if grad is None:
             view.zero_()
             return view
@@ -1236,6 +1264,7 @@ class Reducer:
         self._outside_touched = False
         for bucket in self._buckets:
             bucket.pending = bucket.expected
+            bucket.checked = False
 
     def remove(self) -> None:
         """Detach the hooks; the parameters keep their current gradients."""
