@@ -22,7 +22,7 @@ import math
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import torch
 import torch.distributed as dist
@@ -297,12 +297,8 @@ class BufferSync:
         except Exception as exc:  # reported to every rank by _agree
             error = exc
         self.policies = _agree(policies, error, process_group)
-        self._places = {n: (self._get(n).dtype, self._get(n).device) for n in self.policies}
-        self.groups = group_buffers(self.policies, self._places)
-        # The shape and dtype every rank's buffer had when the ranks last agreed: a buffer
-        # that differs cannot take part in its group's collective (see ``_fit``).
-        self._layout = {n: (self._get(n).shape, self._get(n).dtype) for n in self.policies}
         self._deviation: dict[str, str] = {}
+        self._agree_on({n: self._get(n) for n in self.policies})
         self.reset_baseline()
         self._watch_loads()
         if dist.get_rank(process_group) == 0:
@@ -318,7 +314,8 @@ class BufferSync:
     def _resolve(
         self, module: nn.Module, rules: Mapping[str, Policy] | None, default: Policy
     ) -> dict[str, Policy]:
-        self._owners, dtypes, module_defaults = _scan(module, self._ignored)
+        found = _scan(module, self._ignored)
+        self._owners, dtypes, module_defaults = found.owners, found.dtypes, found.module_defaults
         hook = getattr(module, "configure_buffer_sync", None)
         module_rules = hook() if callable(hook) else None
         check_rules(rules, "buffer_sync is")
@@ -338,7 +335,7 @@ class BufferSync:
             module_rules=module_rules,
             module_defaults=module_defaults,
             default=default,
-            placeholders=_placeholders(module, self._ignored),
+            placeholders=found.placeholders,
         )
         # A module that declares "none" for its own buffers (SyncBatchNorm) means they stay
         # in agreement by themselves, not that they are rank-local: they still start from
@@ -541,7 +538,7 @@ class BufferSync:
         """Agree with the other ranks on the synced buffers: adopt them, or return the error.
 
         Called on every rank at once, after a synced backward whose flags say that some
-        rank's buffers changed, and by ``BucketDataParallel.sync_buffers``. Each rank reads
+        rank's buffers changed. Each rank reads
         its module's buffers anew: a buffer that appeared after wrapping (registered in a
         forward, given a tensor after being None, in a submodule attached later) gets its
         policy from the same rules, one deleted or set to None leaves the sync, and a
@@ -555,15 +552,16 @@ class BufferSync:
         _structure.track(self._module.modules())
         mine: tuple[str, Any]
         try:
-            owners, dtypes, module_defaults = _scan(self._module, self._ignored)
+            found = _scan(self._module, self._ignored)
+            owners = found.owners
             policies = dict(self.policies)
-            new = {n: d for n, d in dtypes.items() if n not in policies}
+            new = [n for n in owners if n not in policies]
             if new:
                 resolved = resolve_policies(
-                    dtypes,
+                    found.dtypes,
                     rules=self._rules,
                     module_rules=self._module_rules,
-                    module_defaults=module_defaults,
+                    module_defaults=found.module_defaults,
                     default=self._default,
                     unmatched_ok=True,
                 )
@@ -586,6 +584,18 @@ class BufferSync:
         self._adopt(owners, policies)
         return None
 
+    def _agree_on(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Record ``tensors`` (one per policy, by name) as the layout every rank holds.
+
+        A buffer whose shape or dtype later differs cannot take part in its group's
+        collective (see ``_fit``). The groups and their packings follow the layout.
+        """
+        self._layout = {n: (t.shape, t.dtype) for n, t in tensors.items()}
+        self._places = {n: (t.dtype, t.device) for n, t in tensors.items()}
+        self.groups = group_buffers(self.policies, self._places)
+        self._packed = {}
+        self._deviation = {}
+
     def _adopt(self, owners: dict[str, tuple[nn.Module, str]], policies: dict[str, Policy]) -> None:
         """Take ``owners`` and ``policies`` (agreed by every rank) as the buffers to sync."""
         old = self.policies
@@ -597,11 +607,7 @@ class BufferSync:
         changed = [n for n, t in tensors.items() if self._layout.get(n) != (t.shape, t.dtype)]
         self._owners = owners
         self.policies = policies
-        self._layout = {n: (t.shape, t.dtype) for n, t in tensors.items()}
-        self._places = {n: (t.dtype, t.device) for n, t in tensors.items()}
-        self.groups = group_buffers(policies, self._places)
-        self._packed = {}
-        self._deviation = {}
+        self._agree_on(tensors)
         for name in [n for n in self._baseline if n not in policies]:
             del self._baseline[name]
         sums = [n for n in changed if policies[n] == "sum"]
@@ -696,40 +702,36 @@ def _none_message(name: str, policy: str) -> str:
     )
 
 
-def _scan(
-    module: nn.Module, ignored: Collection[str]
-) -> tuple[dict[str, tuple[nn.Module, str]], dict[str, torch.dtype], dict[str, Policy]]:
-    """The module's buffers to sync: (owner and attribute, dtype, own module default) by name."""
-    owners: dict[str, tuple[nn.Module, str]] = {}
-    dtypes: dict[str, torch.dtype] = {}
-    module_defaults: dict[str, Policy] = {}
+class _Scan(NamedTuple):
+    """What one walk over a module finds of its buffers (see :func:`_scan`)."""
+
+    owners: dict[str, tuple[nn.Module, str]]  # name -> (owning module, attribute)
+    dtypes: dict[str, torch.dtype]
+    module_defaults: dict[str, Policy]  # a module's own default_buffer_policy, by name
+    placeholders: list[str]  # buffers registered as None, to be given a tensor later
+
+
+def _scan(module: nn.Module, ignored: Collection[str]) -> _Scan:
+    """The module's buffers to sync, and the names registered as None, in one walk."""
+    found = _Scan({}, {}, {}, [])
     seen: set[int] = set()
     for mod_name, mod in module.named_modules():
         own = getattr(mod, "default_buffer_policy", None)
-        for attr, buf in mod.named_buffers(recurse=False):
+        for attr, buf in mod._buffers.items():
+            full = f"{mod_name}.{attr}" if mod_name else attr
             # A tensor registered under two names is synced once, under its first name
             # (the one ``named_buffers()`` and ``state_dict()`` report).
-            if buf is None or id(buf) in seen:
+            if full in ignored or (buf is not None and id(buf) in seen):
+                continue
+            if buf is None:
+                found.placeholders.append(full)
                 continue
             seen.add(id(buf))
-            full = f"{mod_name}.{attr}" if mod_name else attr
-            if full in ignored:
-                continue
-            owners[full] = (mod, attr)
-            dtypes[full] = buf.dtype
+            found.owners[full] = (mod, attr)
+            found.dtypes[full] = buf.dtype
             if own is not None:
-                module_defaults[full] = own
-    return owners, dtypes, module_defaults
-
-
-def _placeholders(module: nn.Module, ignored: Collection[str]) -> list[str]:
-    """The names of the module's buffers registered as None (to be given a tensor later)."""
-    return [
-        f"{mod_name}.{attr}" if mod_name else attr
-        for mod_name, mod in module.named_modules()
-        for attr, buf in mod._buffers.items()
-        if buf is None and (f"{mod_name}.{attr}" if mod_name else attr) not in ignored
-    ]
+                found.module_defaults[full] = own
+    return found
 
 
 def _synced_text(owner: tuple[nn.Module, str], policy: Policy) -> str:
