@@ -123,12 +123,14 @@ class _Bucket:
 
     __slots__ = (
         "checked",
+        "divisor",
         "expected",
         "flags",
         "grads",
         "members",
         "own",
         "pending",
+        "scale",
         "storage",
         "work",
     )
@@ -150,6 +152,8 @@ class _Bucket:
         # whether a slot of it was written in this backward yet.
         self.own = 0
         self.checked = False
+        # The averaging factors, set by the reducer (see Reducer._set_scales).
+        self.scale = self.divisor = torch.ones(())
 
     def rebind(self, storage: torch.Tensor) -> None:
         """Hold ``storage`` (same size and contents) from now on."""
@@ -353,6 +357,7 @@ class Reducer:
                 if self.gradient_as_bucket_view:
                     p.grad = views[i]
         self._buckets = buckets
+        self._set_scales()
         self._views = views
         # Where each slot's memory starts: a view whose pointer moved was rebound elsewhere.
         self._ptrs = [v.data_ptr() for v in views]
@@ -366,10 +371,33 @@ class Reducer:
             mask[self._members] = 1
             self._agreed = mask
             self._agreed_summed = _summed(mask) * self.world_size
+            # This rank's row when every planned parameter got its gradient and nothing
+            # changed (counts: none missing, or every one used), and with one row, the sum
+            # over ranks then: comparing the summed flags with it is the whole check.
+            counts = torch.full(
+                (n,), float(self.find_unused_parameters), dtype=flags.dtype, device=flags.device
+            )
+            self._row_as_planned = torch.cat([counts, mask])
+            self._sum_as_planned = self._row_as_planned * self.world_size if rows == 1 else None
+        self._dense_bytes = sum(_nbytes(b.storage) for b in buckets)
         for bucket in buckets:
             bucket.own = _tensors_on(bucket.storage)
         if self.rank == 0:
             log.debug("bucketddp plan: %s", plan.describe())
+
+    def _set_scales(self) -> None:
+        """Give each bucket the averaging factors of the next synced backward.
+
+        They are 0-dim CPU tensors in the bucket's computation dtype (float64 for double
+        buckets, float32 otherwise): an operation reads such a tensor as the same scalar as
+        a Python float, bit for bit, and skips wrapping a float into a tensor on every call,
+        which is half the cost of staging a small gradient.
+        """
+        for bucket in self._buckets:
+            dtype = bucket.storage.dtype
+            real = torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32
+            bucket.scale = torch.tensor(self._scale, dtype=real)
+            bucket.divisor = torch.tensor(float(self._divisor), dtype=real)
 
     def _bind_flags(self) -> torch.Tensor:
         """Take the flags' views from the last bucket's storage; returns the flags."""
@@ -659,7 +687,7 @@ class Reducer:
         bucket.checked = True
         if grad is view:
             if self._comm_hook is None:  # a hook averages for itself
-                view.div_(self._divisor)  # accumulated in place, in the slot
+                view.div_(bucket.divisor)  # accumulated in place, in the slot
             return view
         if sys.getrefcount(view) > _SOLE_REFS:
             # Someone kept this slot's view, the .grad of an earlier step: writing here
@@ -689,7 +717,7 @@ class Reducer:
                 "wrap it again after converting."
             )
         try:
-            torch.mul(grad, self._scale, out=view)
+            torch.mul(grad, bucket.scale, out=view)
         except RuntimeError:
             if grad.requires_grad:
                 raise RuntimeError(_CREATE_GRAPH.format(name=self._names[i])) from None
@@ -785,6 +813,7 @@ class Reducer:
             )
         self._comm_hook = (state, hook)
         self._scale = 1.0  # slots hold plain gradients: the hook averages
+        self._set_scales()
         if not self._communicates:
             # One rank: buckets exist only to hand the hook its gradients, as torch DDP does
             # (so a compressing hook rounds them there too).
@@ -800,6 +829,7 @@ class Reducer:
         self._divisor = ranks
         if self._comm_hook is None:
             self._scale = 1.0 / ranks
+        self._set_scales()
 
     def _launch_hook(self, bucket: _Bucket) -> None:
         # Views of its own for the hook's GradBucket: one it keeps must not hold the slots'
@@ -833,6 +863,16 @@ class Reducer:
         counts, agreement = self._counts, self._agreement
         if len(self._flag_table) > 1:
             self._flag_table.zero_()  # the other rows: last step's sums
+        if (
+            self._n_ready == n
+            and not self._outside_trainable
+            and self._changed is None
+            and not self._buffers_deviate()
+        ):
+            # Every planned parameter got a gradient (so it is used, and requires one), and
+            # nothing else does: the row as planned, in one copy.
+            self._flag_table[self.rank % len(self._flag_table)].copy_(self._row_as_planned)
+            return
         if self.find_unused_parameters:
             if all(self._used):
                 counts.fill_(1)
@@ -849,16 +889,7 @@ class Reducer:
                 for ready, used, p in zip(self._ready, self._used, self._params, strict=True)
             ]
             counts.copy_(torch.tensor(missing, dtype=counts.dtype))
-        if (
-            self._n_ready == n
-            and not self._outside_trainable
-            and self._changed is None
-            and not self._buffers_deviate()
-        ):
-            # Every planned parameter got a gradient, so it requires one; nothing else does.
-            agreement.copy_(self._agreed)
-        else:
-            self._write_local_agreement(agreement)
+        self._write_local_agreement(agreement)
 
     def _write_local_agreement(self, agreement: torch.Tensor) -> None:
         """This rank's agreement part: requires_grad per model parameter, then two changes."""
@@ -970,12 +1001,20 @@ class Reducer:
         waited = time.perf_counter() - start
         self.stats = CommStats(
             collectives=len(self._buckets) + len(self._sparse) + (self._comm_hook is not None),
-            bytes_reduced=sum(_nbytes(b.storage) for b in self._buckets)
-            + sum(_nbytes(g) for g in self._sparse_sent),
+            bytes_reduced=self._dense_bytes + sum(_nbytes(g) for g in self._sparse_sent),
             wait_seconds=waited,
             buckets=len(self._buckets),
         )
 
+        expected = self._sum_as_planned
+        if expected is not None and torch.equal(self._flag_table[0], expected):
+            # The common step, told by one comparison: on every rank every planned parameter
+            # got its gradient and nothing changed (so nothing is missing here either).
+            if not self.find_unused_parameters and not self.gradient_as_bucket_view:
+                self._copy_back()
+            elif self.find_unused_parameters:
+                self._take_used([True] * len(self._params), locally_missing)
+            return None, []
         counts, agreement = self._read_flags(self._flag_table)
         error, frozen, joined = self._check_flags(counts, agreement, bool(locally_missing))
         if error is not None:
@@ -994,18 +1033,24 @@ class Reducer:
                 self._take_views([i for i in locally_missing if take[i]])
         else:
             # A parameter frozen everywhere counts as unused everywhere: grad untouched.
-            used_anywhere = [c > 0 for c in counts.tolist()]
-            if self.gradient_as_bucket_view:
-                # A parameter unused here but used elsewhere takes the averaged gradient.
-                self._take_views([i for i in locally_missing if used_anywhere[i]])
-            else:
-                self._copy_back(used_anywhere)
-            for i, sent in zip(self._sparse, self._sparse_sent, strict=True):
-                if used_anywhere[i] and self._params[i].grad is not sent:
-                    self._params[i].grad = sent  # unused here: the others' average
+            self._take_used([c > 0 for c in counts.tolist()], locally_missing)
         if joined:
             return self._reduce_joined(joined), joined
         return None, []
+
+    def _take_used(self, used_anywhere: list[bool], locally_missing: list[int]) -> None:
+        """find_unused_parameters: give each parameter used on some rank the averaged gradient.
+
+        A parameter unused here but used elsewhere takes it too; one unused everywhere keeps
+        its ``.grad`` untouched.
+        """
+        if self.gradient_as_bucket_view:
+            self._take_views([i for i in locally_missing if used_anywhere[i]])
+        else:
+            self._copy_back(used_anywhere)
+        for i, sent in zip(self._sparse, self._sparse_sent, strict=True):
+            if used_anywhere[i] and self._params[i].grad is not sent:
+                self._params[i].grad = sent  # unused here: the others' average
 
     def _take_views(self, indices: list[int]) -> None:
         """Point the ``.grad`` of the dense parameters at ``indices`` at their averaged slots."""
