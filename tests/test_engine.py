@@ -628,6 +628,29 @@ def test_wrapping_a_wrapper_or_a_meta_module_is_refused_naming_the_fix() -> None
         assert "str 'gloo'" in said["group"]
 
 
+def _nothing_to_train(rank: int, world: int) -> dict[str, Any]:
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    torch.nn.init.constant_(frozen.weight, float(rank))
+    ignored = torch.nn.Linear(2, 2)
+    ignored.weight.requires_grad_(False)
+    BucketDataParallel._set_params_and_buffers_to_ignore_for_model(ignored, ["bias"])
+    return {
+        "frozen": raised(lambda: BucketDataParallel(frozen), ValueError),
+        "weight": frozen.weight[0, 0].item(),
+        "ignored": raised(lambda: BucketDataParallel(ignored), ValueError),
+    }
+
+
+def test_a_module_with_nothing_to_train_is_refused_before_any_broadcast() -> None:
+    # torch DDP refuses it too. The ranks agree on requires_grad in the model check, so the
+    # error comes on every rank, and before parameters are broadcast: each keeps its own.
+    for rank, said in enumerate(run_ranks(_nothing_to_train, 2, timeout=30)):
+        for key in ("frozen", "ignored"):
+            assert "needs at least one parameter with requires_grad=True" in said[key]
+            assert "Unfreeze the parameters to train" in said[key]
+        assert said["weight"] == float(rank)
+
+
 def _device_ids_on_cpu(rank: int, world: int) -> dict[str, str]:
     """What each wrapper says to torch DDP's device arguments on a CPU module."""
     said = {}

@@ -21,7 +21,7 @@ from .buffers import BufferSync, Policy
 from .comm import IGNORED_KIND, broadcast_coalesced, verify_same_model
 from .comm_hooks import CommHook
 from .join import BucketJoinHook, check_joinable, exchange_header, header
-from .reducer import CommStats, Reducer
+from .reducer import NO_TRAINABLE, CommStats, Reducer
 from .syncbn import separate_group
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class BucketDataParallel(nn.Module, Joinable):
         bucket_cap_mb: a bucket is launched once it holds this many MB of gradients (None:
             25, torch DDP's default, as there).
         first_bucket_mb: the cap of the first bucket, kept small so that communication
-            starts early in backward.
+            starts early in backward (None: 1, torch DDP's with its default cap).
         find_unused_parameters: allow parameters that get no gradient in a step (control
             flow, frozen branches). Without it such a step raises an error naming them.
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket, saving
@@ -73,8 +73,10 @@ class BucketDataParallel(nn.Module, Joinable):
     Raises:
         RuntimeError: when no process group is initialized, the ranks' models differ, or
             the module has lazy or meta parameters.
-        TypeError: ``module`` is not an ``nn.Module``, or ``process_group`` not a group.
-        ValueError: ``module`` is or holds a data-parallel wrapper; on bad bucket sizes or
+        TypeError: ``module`` is not an ``nn.Module``, ``process_group`` not a group, a
+            bucket size not a number, or ``_ddp_params_and_buffers_to_ignore`` a string.
+        ValueError: ``module`` is or holds a data-parallel wrapper, or has no parameter
+            that requires a gradient; on bad bucket sizes or
             buffer policies, buffer options that contradict each other, ``device_ids`` and
             ``output_device`` that do not name the module's one accelerator, or a
             ``device_mesh`` given with a ``process_group`` or with more than one dimension.
@@ -86,7 +88,7 @@ class BucketDataParallel(nn.Module, Joinable):
         *,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = 25.0,
-        first_bucket_mb: float = 1.0,
+        first_bucket_mb: float | None = 1.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         broadcast_buffers: bool | None = None,
@@ -133,6 +135,10 @@ class BucketDataParallel(nn.Module, Joinable):
 
         self.parameters_to_ignore = ignored_names(module)
         verify_same_model(_signature(module, self.parameters_to_ignore), process_group)
+        # The ranks agree on requires_grad now (it is part of the signature): refused on
+        # every rank alike, before anything is broadcast.
+        if not any(p.requires_grad for _, p in self._named_parameters()):
+            raise ValueError(NO_TRAINABLE)
         # Policies are resolved before any broadcast, so a bad rule fails on every rank alike.
         self.buffers_sync = BufferSync(
             module,

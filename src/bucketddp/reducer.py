@@ -64,6 +64,13 @@ _COMPILED_AUTOGRAD = (
     "model, inside or outside the wrapper, is supported."
 )
 
+NO_TRAINABLE = (
+    "BucketDataParallel needs at least one parameter with requires_grad=True, and the module "
+    "has none to reduce (those in _ddp_params_and_buffers_to_ignore do not count). Unfreeze "
+    "the parameters to train (requires_grad_(True)) before wrapping; a model that only runs "
+    "inference needs no wrapper."
+)
+
 _CREATE_GRAPH = (
     "parameter {name!r} has a gradient that requires grad: backward(create_graph=True) is not "
     "supported, since the bucket all-reduce cannot carry a gradient's own graph (torch DDP "
@@ -207,11 +214,7 @@ class Reducer:
         self._sparse_works: list[dist.Work] = []
         trainable = [j for j, p in enumerate(self._all_params) if p.requires_grad]
         if not trainable:
-            raise ValueError(
-                "BucketDataParallel needs at least one parameter with requires_grad=True; "
-                "the module has none to reduce (those in _ddp_params_and_buffers_to_ignore "
-                "do not count)"
-            )
+            raise ValueError(NO_TRAINABLE)
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
