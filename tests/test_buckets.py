@@ -82,8 +82,9 @@ def test_bad_inputs_are_named() -> None:
         plan_buckets([p("a", 1)], cap_bytes=1, first_cap_bytes=1, order=["z"])
 
 
-def test_bucket_sizes_are_checked_and_none_means_torch_ddp_default() -> None:
+def test_bucket_sizes_are_checked_and_none_means_the_default() -> None:
     assert check_bucket_sizes(None, 1) == (25.0, 1.0)
+    assert check_bucket_sizes(4, None) == (4.0, 1.0)
     assert check_bucket_sizes(0.5, 1e-9) == (0.5, 1e-9)
     for bad in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="bucket_cap_mb must be a positive, finite"):
@@ -93,8 +94,11 @@ def test_bucket_sizes_are_checked_and_none_means_torch_ddp_default() -> None:
     for bad_type in ("25", True):
         with pytest.raises(TypeError, match="bucket_cap_mb must be a number of megabytes"):
             check_bucket_sizes(bad_type, 1.0)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="first_bucket_mb"):
-        check_bucket_sizes(25.0, None)  # type: ignore[arg-type]
+    # Each size's message gives its own default as the example.
+    with pytest.raises(TypeError, match=r"first_bucket_mb .*the default is 1.0.*str '1'"):
+        check_bucket_sizes(25.0, "1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"bucket_cap_mb .*the default is 25.0"):
+        check_bucket_sizes("25", 1.0)  # type: ignore[arg-type]
 
 
 def test_tiny_sizes_round_up_to_one_byte() -> None:

@@ -15,6 +15,7 @@ import torch
 
 MB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's, also what its bucket_cap_mb=None means
+DEFAULT_FIRST_BUCKET_MB = 1.0  # torch DDP's first bucket with its default cap
 
 
 @dataclass(frozen=True)
@@ -74,25 +75,32 @@ class BucketPlan:
         return "\n".join(lines)
 
 
-def check_bucket_sizes(bucket_cap_mb: float | None, first_bucket_mb: float) -> tuple[float, float]:
+def check_bucket_sizes(
+    bucket_cap_mb: float | None, first_bucket_mb: float | None
+) -> tuple[float, float]:
     """Check both bucket sizes and return them in MB.
 
-    ``bucket_cap_mb=None`` means torch DDP's default, 25 MB, as it does there.
+    ``None`` means the default: 25 MB for ``bucket_cap_mb`` (as torch DDP's None does) and
+    1 MB for ``first_bucket_mb``.
 
     Raises:
         TypeError: a size that is not a number.
         ValueError: a size that is not positive and finite.
     """
     cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-    for name, value in (("bucket_cap_mb", cap), ("first_bucket_mb", first_bucket_mb)):
+    first = DEFAULT_FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
+    for name, value, default in (
+        ("bucket_cap_mb", cap, DEFAULT_BUCKET_CAP_MB),
+        ("first_bucket_mb", first, DEFAULT_FIRST_BUCKET_MB),
+    ):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(
-                f"{name} must be a number of megabytes (25.0, say), got "
+                f"{name} must be a number of megabytes (the default is {default}), got "
                 f"{type(value).__name__} {value!r}"
             )
         if not 0 < value < math.inf:
             raise ValueError(f"{name} must be a positive, finite number of megabytes, got {value}")
-    return float(cap), float(first_bucket_mb)
+    return float(cap), float(first)
 
 
 def cap_bytes(megabytes: float) -> int:

@@ -91,7 +91,8 @@ class BucketDDP(DDPStrategy):
     Args:
         bucket_cap_mb: a gradient bucket is launched once it holds this many MB (None: 25,
             as for torch DDP).
-        first_bucket_mb: the cap of the first bucket, small so communication starts early.
+        first_bucket_mb: the cap of the first bucket, small so communication starts early
+            (None: 1).
         find_unused_parameters: allow parameters that get no gradient in a step.
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket.
         broadcast_buffers: torch DDP's switch (True if None); False means
@@ -122,6 +123,8 @@ class BucketDDP(DDPStrategy):
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
 
     Raises:
+        TypeError: a bucket size that is not a number, or a ``default_buffer_policy`` that
+            is neither a policy name nor callable.
         ValueError: a bucket size that is not positive, an unknown default policy, buffer
             options that contradict each other, a hook state or wrapper without a hook, or a
             ``model_averaging_period`` that is missing with a ``PostLocalSGDState``, given
@@ -132,7 +135,7 @@ class BucketDDP(DDPStrategy):
         self,
         *,
         bucket_cap_mb: float | None = 25.0,
-        first_bucket_mb: float = 1.0,
+        first_bucket_mb: float | None = 1.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         broadcast_buffers: bool | None = None,
