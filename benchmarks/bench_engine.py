@@ -68,7 +68,8 @@ class Config:
     bucket_cap_mb: float | None = None
     """bucket_cap_mb of both wrappers; None leaves each at its default (25 MB)."""
     first_bucket_mb: float | None = None
-    """bucketddp's first_bucket_mb; None leaves the default (1 MB, as torch DDP's fixed one)."""
+    """bucketddp's first_bucket_mb; None means torch DDP's first bucket: 1 MB with the
+    default cap, and ``bucket_cap_mb`` itself when that is given (torch 2.13's rule)."""
     comm_hook: str | None = None
     """A key of COMM_HOOKS registered on both wrappers; None for their own all-reduce."""
 
@@ -181,7 +182,10 @@ def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
     if system == "torch_ddp":
         wrapped = DistributedDataParallel(model, **cap)
     elif system == "bucketddp":
-        first = {} if cfg.first_bucket_mb is None else {"first_bucket_mb": cfg.first_bucket_mb}
+        # torch DDP makes its first bucket as large as an explicit bucket_cap_mb: the same
+        # here, unless a first bucket size is asked for, so both launch the same buckets.
+        first_mb = cfg.bucket_cap_mb if cfg.first_bucket_mb is None else cfg.first_bucket_mb
+        first = {} if first_mb is None else {"first_bucket_mb": first_mb}
         wrapped = BucketDataParallel(model, **cap, **first)
     else:
         raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
@@ -613,12 +617,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--bucket-cap-mb",
         type=float,
-        help="bucket_cap_mb of both torch DDP and bucketddp (default: theirs, 25)",
+        help="bucket_cap_mb of both torch DDP and bucketddp (default: theirs, 25); torch DDP "
+        "then makes its first bucket this size too, and so does bucketddp unless "
+        "--first-bucket-mb is given",
     )
     p.add_argument(
         "--first-bucket-mb",
         type=float,
-        help="bucketddp's first_bucket_mb (default 1; torch DDP's first bucket is fixed at 1 MB)",
+        help="bucketddp's first_bucket_mb (default: torch DDP's first bucket, 1 MB, or "
+        "--bucket-cap-mb if given)",
     )
     p.add_argument(
         "--comm-hook",
@@ -678,7 +685,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.bucket_cap_mb is not None or cfg.first_bucket_mb is not None:
         print(
             f"bucket sizes: bucket_cap_mb {cfg.bucket_cap_mb or 'default'} (both wrappers), "
-            f"first_bucket_mb {cfg.first_bucket_mb or 'default'} (bucketddp only)"
+            f"first_bucket_mb {cfg.first_bucket_mb or cfg.bucket_cap_mb or 'default'} "
+            "(bucketddp only)"
         )
     if cfg.comm_hook is not None:
         print(f"communication hook: {COMM_HOOKS[cfg.comm_hook].__name__} (both wrappers)")

@@ -47,6 +47,17 @@ def test_default_buckets_match_torch_ddp(tmp_path: Path) -> None:
     assert lo <= result["median_round_ratio"] <= hi
 
 
+def test_a_bucket_cap_gives_both_engines_the_same_buckets(tmp_path: Path) -> None:
+    # torch 2.13 makes its first bucket as large as an explicit bucket_cap_mb; before, the
+    # benchmark left bucketddp's at 1 MB and compared different buckets.
+    result = run_bench(tmp_path, "--bucket-cap-mb", "2")
+    theirs = result["torch_ddp_bucket_mb"]
+    if theirs is None:
+        pytest.skip("this torch's DDP does not report its rebuilt bucket sizes")
+    assert result["bucketddp_bucket_mb"] == pytest.approx(theirs, abs=0.01)
+    assert theirs[0] > 1.5  # not a 1 MB first bucket
+
+
 def test_first_bucket_option_reaches_bucketddp(tmp_path: Path) -> None:
     result = run_bench(tmp_path, "--first-bucket-mb", "25")
     assert result["bucketddp_buckets"] == 1
