@@ -116,9 +116,18 @@ def hook_result(value: Any, buffer: torch.Tensor, hook: CommHook) -> torch.Tenso
     """The reduced tensor in a hook's future ``value``, checked against the bucket's buffer.
 
     torch DDP accepts a tensor or a one-tensor list (what a collective's future holds).
+    A collective on a complex buffer runs on its real view (``torch.view_as_real``), and
+    its future holds that view: it is taken as the complex buffer it shows.
     """
     if isinstance(value, (list, tuple)) and len(value) == 1:
         value = value[0]
+    if (
+        isinstance(value, torch.Tensor)
+        and buffer.is_complex()
+        and value.dtype == buffer.real.dtype
+        and value.numel() == 2 * buffer.numel()
+    ):
+        value = torch.view_as_complex(value.reshape(-1, 2))
     if not isinstance(value, torch.Tensor) or value.numel() != buffer.numel():
         shown = (
             f"a tensor of {value.numel()} elements"
