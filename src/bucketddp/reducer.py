@@ -372,7 +372,6 @@ class Reducer:
             # planned parameters require a gradient on every rank and no module changed.
             mask = torch.zeros(len(self._all_params) + 2, dtype=flags.dtype, device=flags.device)
             mask[self._members] = 1
-            self._agreed = mask
             self._agreed_summed = _summed(mask) * self.world_size
             # This rank's row when every planned parameter got its gradient and nothing
             # changed (counts: none missing, or every one used), and with one row, the sum
@@ -829,6 +828,8 @@ class Reducer:
         The world size by default; fewer while some ranks have joined (uneven inputs, with
         ``divide_by_initial_world_size=False``). A communication hook averages for itself.
         """
+        if ranks == self._divisor:
+            return  # called every iteration under join(): the factors stand
         self._divisor = ranks
         if self._comm_hook is None:
             self._scale = 1.0 / ranks
