@@ -372,6 +372,24 @@ def resume_elsewhere(out: Path, checkpoint: str) -> dict[str, Any]:
     return result
 
 
+def cuda(out: Path) -> dict[str, Any]:
+    """On one GPU: the same runs under strategy="ddp" and BucketDDP (world size 1, NCCL)."""
+    result: dict[str, Any] = {}
+    fit = functools.partial(_fit, accelerator="cuda", devices=1, limit_val_batches=0)
+    runs: list[tuple[str, Callable[[], pl.LightningModule], dict[str, Any]]] = [
+        ("boring", Boring, {"max_steps": 6}),
+        ("boring_bf16", Boring, {"max_steps": 4, "precision": "bf16-mixed"}),
+        ("transformer_acc2", Transformer, {"max_steps": 2, "accumulate_grad_batches": 2}),
+        ("normed", Normed, {"max_steps": 4, "sync_batchnorm": True}),
+    ]
+    for name, make, kwargs in runs:
+        for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
+            _, model = fit(strategy, make, **kwargs)
+            result[f"{name}/{label}"] = weights(model)
+            result[f"{name}/{label}/backend"] = torch.distributed.get_backend()
+    return result
+
+
 def _tampered(out: Path, checkpoint: str) -> str:
     path = out / f"tampered.rank{os.environ.get('LOCAL_RANK', '0')}.ckpt"
     ckpt = torch.load(checkpoint, weights_only=False)
@@ -422,6 +440,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "spawn": spawn,
     "finetune_single": finetune_single,
     "torchrun": torchrun,
+    "cuda": cuda,
 }
 
 

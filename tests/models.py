@@ -263,21 +263,23 @@ def train(
     set_to_none: bool = True,
     branch: Callable[[int, int], bool] | None = None,
     join: dict[str, Any] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Train ``steps`` SGD-momentum steps through ``wrap(model)``; return the final state.
 
     ``steps`` may give each rank its own count (uneven inputs); ``join`` then holds the
-    keyword arguments of the wrapper's ``join()``, which the loop runs inside.
+    keyword arguments of the wrapper's ``join()``, which the loop runs inside. The model
+    and its batches live on ``device``; the state comes back on the CPU.
     """
-    model = build(name)
+    model = build(name).to(device)
     wrapped = wrap(model)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     mine = steps if isinstance(steps, int) else steps[rank]
     with wrapped.join(**join) if join is not None else contextlib.nullcontext():  # type: ignore[operator]
-        _loop(name, wrapped, opt, rank, mine, accumulate, set_to_none, branch)
+        _loop(name, wrapped, opt, rank, mine, accumulate, set_to_none, branch, device)
     return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.detach().cpu().clone() for n, b in model.named_buffers()},
         "wrapped": wrapped,
     }
 
@@ -291,10 +293,11 @@ def _loop(
     accumulate: int,
     set_to_none: bool,
     branch: Callable[[int, int], bool] | None,
+    device: str,
 ) -> None:
     for step in range(steps):
         for micro in range(accumulate):
-            x, y = batch(name, step * accumulate + micro, rank)
+            x, y = (t.to(device) for t in batch(name, step * accumulate + micro, rank))
             last = micro == accumulate - 1
             ctx = contextlib.nullcontext() if last else wrapped.no_sync()  # type: ignore[operator]
             with ctx:

@@ -1,4 +1,4 @@
-"""The one helper every distributed test uses: run a function on N gloo ranks.
+"""The one helper every distributed test uses: run a function on N ranks (gloo by default).
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, joins them in a real
 gloo process group on a free loopback port, calls ``fn(rank, world_size, *args)`` on each
@@ -63,6 +63,7 @@ def _worker(
     timeout: float,
     args: tuple[Any, ...],
     env: dict[str, str],
+    backend: str,
     conn: Any,
 ) -> None:
     torch.set_num_threads(1)
@@ -75,8 +76,10 @@ def _worker(
         LOCAL_RANK=str(rank),
     )
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -98,18 +101,20 @@ def run_ranks(
     *args: Any,
     timeout: float = 90.0,
     env: dict[str, str] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     ``fn`` must be importable (a module-level function). Results travel through
-    ``torch.save``, so tensors, dicts and lists come back as they were.
+    ``torch.save``, so tensors, dicts and lists come back as they were. ``backend`` is gloo
+    unless a CUDA test asks for nccl (rank ``r`` then uses GPU ``r``).
     """
     port = free_port()
     pipes = [_CTX.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
         _CTX.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, timeout, args, env or {}, pipes[rank][1]),
+            args=(fn, rank, world_size, port, timeout, args, env or {}, backend, pipes[rank][1]),
             daemon=True,
         )
         for rank in range(world_size)
