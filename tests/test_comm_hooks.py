@@ -67,6 +67,13 @@ HOOKS: dict[str, Callable[[], tuple[Any, Callable[..., Any]]]] = {
 }
 
 
+def _skip_powersgd_where_cuda_is(hook: str) -> None:
+    """torch's powerSGD_hook synchronizes the CUDA device of CPU buckets whenever a GPU is
+    present, and raises there (torch DDP alike; seen with torch 2.11 on a GPU machine)."""
+    if hook == "powersgd" and torch.cuda.is_available():
+        pytest.skip("torch's powerSGD_hook fails on CPU tensors where CUDA is available")
+
+
 def _hooked(system: Callable[..., nn.Module], hook: str, **opts: Any) -> Callable[..., Any]:
     def wrap(model: nn.Module) -> nn.Module:
         wrapped = system(model, **opts)
@@ -94,6 +101,7 @@ CASES = [(h, False) for h in HOOKS] + [(h, True) for h in HOOKS if h != "powersg
 
 @pytest.mark.parametrize(("hook", "tiny"), CASES)
 def test_hook_gives_the_weights_of_torch_ddp_with_it(hook: str, tiny: bool) -> None:
+    _skip_powersgd_where_cuda_is(hook)
     results = run_ranks(_compare, 2, hook, tiny, timeout=90)
     for rank, r in enumerate(results):
         assert_weights(r["ours"], r["theirs"], rank)
@@ -153,6 +161,7 @@ def _powersgd_buckets(rank: int, world: int) -> dict[str, Any]:
 
 def test_powersgd_with_several_buckets_keeps_one_collective_order() -> None:
     # Before bucket k's hook waited for bucket k-1's future, this hung on every run.
+    _skip_powersgd_where_cuda_is("powersgd")
     for rank, r in enumerate(run_ranks(_powersgd_buckets, 2, timeout=90)):
         assert len(r["plan"]) == 2
         assert r["torch"][-2:] == r["plan"]
@@ -161,6 +170,7 @@ def test_powersgd_with_several_buckets_keeps_one_collective_order() -> None:
 
 @pytest.mark.parametrize("hook", ["fp16_compress", "powersgd"])
 def test_hook_runs_at_world_size_1_as_in_torch_ddp(hook: str) -> None:
+    _skip_powersgd_where_cuda_is(hook)
     (r,) = run_ranks(_compare, 1, hook, False, timeout=60)
     for name, want in r["theirs"].items():
         torch.testing.assert_close(r["ours"][name], want, rtol=0, atol=1e-6, msg=name)
