@@ -72,6 +72,8 @@ class Config:
     default cap, and ``bucket_cap_mb`` itself when that is given (torch 2.13's rule)."""
     comm_hook: str | None = None
     """A key of COMM_HOOKS registered on both wrappers; None for their own all-reduce."""
+    device: str = "cpu"
+    """"cpu" (gloo) or "cuda" (NCCL, one GPU per rank)."""
 
 
 COMM_HOOKS = {
@@ -95,18 +97,24 @@ def _rank_main(
     world_size: int,
     port: int,
     args: tuple[Any, ...],
+    backend: str,
     results: Any,
 ) -> None:
     # One intra-op thread per rank: two ranks share this machine's cores, and oversubscribed
     # threads would measure the scheduler rather than the reducer.
     torch.set_num_threads(1)
     try:
+        device: dict[str, Any] = {}
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = {"device_id": torch.device("cuda", rank)}
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=120),
+            **device,
         )
         results.put((rank, True, fn(rank, world_size, *args)))
     except BaseException:
@@ -117,9 +125,13 @@ def _rank_main(
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 900.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 900.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new gloo processes.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes of ``backend``.
 
     Returns the per-rank results in rank order. Raises RuntimeError with the failing rank's
     traceback if a rank raises or dies, and TimeoutError if the ranks outlive ``timeout``.
@@ -133,7 +145,7 @@ def run_ranks(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, args, results))
+        ctx.Process(target=_rank_main, args=(fn, rank, world_size, port, args, backend, results))
         for rank in range(world_size)
     ]
     for p in procs:
@@ -197,19 +209,27 @@ def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
 def make_batches(spec: ModelSpec, cfg: Config, rank: int, round_: int, count: int) -> list[Batch]:
     """The batches of one round on one rank: the same for every system in that round."""
     size = cfg.batch_size or spec.batch_size
-    return [spec.batch(size, seed=1_000_000 * round_ + 1000 * rank + i) for i in range(count)]
+    made = [spec.batch(size, seed=1_000_000 * round_ + 1000 * rank + i) for i in range(count)]
+    return [(x.to(cfg.device), y.to(cfg.device)) for x, y in made]
 
 
 def train_steps(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch]
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[Batch],
+    cuda: bool = False,
 ) -> list[list[float]]:
     """Train one step per batch; per step: [total, forward, backward, optimizer, wait, cpu] s.
 
     The forward phase includes the loss; the optimizer phase includes ``zero_grad``.
     ``wait`` is bucketddp's own ``comm_stats.wait_seconds`` (0 for other systems); ``cpu``
     is the CPU time of the whole process (every thread, gloo's included) during the step.
+    On CUDA the step ends with a device synchronize, so the total covers the GPU's work;
+    the phases are then the host's time to issue each one.
     """
     rows = []
+    if cuda:
+        torch.cuda.synchronize()
     for batch in batches:
         c0 = time.process_time()
         t0 = time.perf_counter()
@@ -219,6 +239,8 @@ def train_steps(
         t2 = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         t3 = time.perf_counter()
         wait = model.comm_stats.wait_seconds if isinstance(model, BucketDataParallel) else 0.0
         rows.append([t3 - t0, t1 - t0, t2 - t1, t3 - t2, wait, time.process_time() - c0])
@@ -234,7 +256,7 @@ def time_model(
     the phase columns are the mean over ranks.
     """
     spec = MODELS[model_name]
-    models = {s: wrap(s, spec.build(seed=0), cfg) for s in systems}
+    models = {s: wrap(s, spec.build(seed=0).to(cfg.device), cfg) for s in systems}
     optimizers = {
         s: torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for s, m in models.items()
     }
@@ -244,8 +266,10 @@ def time_model(
         order = [systems[(r + k) % len(systems)] for k in range(len(systems))]
         for s in order:
             dist.barrier()
-            rows = train_steps(models[s], optimizers[s], batches)[cfg.warmup :]
-            figures = torch.tensor(rows, dtype=torch.float64)
+            rows = train_steps(models[s], optimizers[s], batches, cfg.device == "cuda")
+            rows = rows[cfg.warmup :]
+            # On the ranks' device: NCCL reduces CUDA tensors only.
+            figures = torch.tensor(rows, dtype=torch.float64, device=cfg.device)
             slowest = figures[:, :1].clone()
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             mean = figures[:, 1:].clone()
@@ -307,12 +331,27 @@ def measure_memory(
 
     The baseline is taken after the model and the batches exist but before wrapping, so the
     figure covers what the wrapper adds (buckets, bookkeeping, gloo buffers) plus what
-    training adds (gradients, momentum, activations), and not the model itself.
+    training adds (gradients, momentum, activations), and not the model itself. On CUDA
+    the figures are the GPU memory torch's allocator hands out, from the same point.
     """
     spec = MODELS[model_name]
-    model = spec.build(seed=0)
+    model = spec.build(seed=0).to(cfg.device)
     batches = make_batches(spec, cfg, rank, 0, cfg.memory_steps)
     dist.barrier()
+    if cfg.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        wrapped = wrap(system, model, cfg)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR, momentum=MOMENTUM)
+        train_steps(wrapped, optimizer, batches, cuda=True)
+        peak = torch.cuda.max_memory_allocated()
+        return {
+            "baseline_mb": base / 2**20,
+            "peak_mb": peak / 2**20,
+            "delta_mb": (peak - base) / 2**20,
+            "peak_reset": True,
+        }
     reset = _reset_peak_rss()
     baseline_kb = _rss_kb()
     wrapped = wrap(system, model, cfg)
@@ -582,7 +621,6 @@ def run_meta(**extra: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "threads_per_rank": 1,
-        "backend": "gloo",
         **extra,
     }
 
@@ -632,6 +670,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=list(COMM_HOOKS),
         help="a communication hook of torch's, registered on both wrappers (default: none)",
     )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cpu: gloo (default); cuda: NCCL, one GPU per rank, so world size 2 needs 2 GPUs",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     p.add_argument("--memory-steps", type=int, help="steps per memory run (default 4; quick 2)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small rounds and steps")
@@ -654,6 +698,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         value = getattr(args, opt)
         if value is not None and not value > 0:
             p.error(f"--{opt.replace('_', '-')} must be positive, got {value}")
+    if args.device == "cuda" and not args.pool:
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            p.error("--device cuda: torch sees no CUDA GPU here")
+        if max(args.world_size) > gpus:
+            p.error(
+                f"--device cuda runs one NCCL rank per GPU and this machine has {gpus}: "
+                f"pass --world-size {' '.join(str(w) for w in args.world_size if w <= gpus)}"
+            )
     return args
 
 
@@ -671,14 +724,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.bucket_cap_mb,
         args.first_bucket_mb,
         args.comm_hook,
+        args.device,
     )
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    gpu = torch.cuda.get_device_name(0) if cfg.device == "cuda" else None
     started = time.perf_counter()
     report: dict[str, Any] = {
-        "meta": run_meta(loadavg_start=loadavg()),
+        "meta": run_meta(loadavg_start=loadavg(), backend=backend, device=cfg.device, gpu=gpu),
         "config": {**asdict(cfg), "models": args.models, "world_sizes": args.world_size},
     }
     print(
-        f"bucketddp {bucketddp.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"bucketddp {bucketddp.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs"
+        f"{f', {gpu}' if gpu else ''}, "
         f"load {report['meta']['loadavg_start']}; {cfg.rounds} rounds x ({cfg.warmup} warmup + "
         f"{cfg.steps} timed steps) per system"
     )
@@ -696,7 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in args.models:
             memory[name] = {}
             for s in SYSTEMS:
-                ranks = run_ranks(measure_memory, 2, name, s, cfg)
+                ranks = run_ranks(measure_memory, 2, name, s, cfg, backend=backend)
                 worst = max(ranks, key=lambda m: m["delta_mb"])
                 memory[name][s] = {**worst, "per_rank_delta_mb": [m["delta_mb"] for m in ranks]}
             print(f"  memory {name}: done ({time.perf_counter() - started:.0f}s)", flush=True)
@@ -708,7 +765,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         results = {}
         for name in names:
-            raw = run_ranks(time_model, world_size, name, systems, cfg)[0]
+            raw = run_ranks(time_model, world_size, name, systems, cfg, backend=backend)[0]
             results[name] = summarize(raw, systems)
             print(
                 f"  time {name} (world size {world_size}): done "
@@ -718,7 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report[f"world_size_{world_size}"] = results
         mem = memory if world_size == 2 else {}
         print_time_table(
-            f"world size {world_size}, gloo on CPU, 1 thread per rank",
+            f"world size {world_size}, {backend} on {cfg.device.upper()}, 1 thread per rank",
             results,
             mem,
             overhead=world_size == 1,
@@ -733,7 +790,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wait: bucketddp's comm_stats.wait_seconds;\n"
         "cpu: CPU time per step of a rank's process, all threads (median, mean over ranks); "
         "less sensitive than step ms to other load on the machine;\n"
-        "peak MB: peak RSS growth over the built model (new processes, max over ranks), "
+        f"peak MB: peak {'GPU memory allocated' if gpu else 'RSS'} growth over the built "
+        "model (new processes, max over ranks), "
         "in brackets its difference to local"
     )
     print(

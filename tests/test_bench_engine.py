@@ -82,6 +82,26 @@ def test_bad_bucket_size_is_refused() -> None:
     assert "--bucket-cap-mb must be positive" in proc.stderr
 
 
+def test_cuda_without_a_gpu_per_rank_is_refused() -> None:
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus >= 2:
+        pytest.skip("this machine has a GPU for each rank of world size 2")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cuda"],  # world sizes 2 and 1
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    want = "sees no CUDA GPU" if gpus == 0 else "one NCCL rank per GPU and this machine has 1"
+    assert want in proc.stderr
+    if gpus == 1:
+        assert "pass --world-size 1" in proc.stderr
+
+
 def fake_report(path: Path, round_ratios: list[float], **config: Any) -> Path:
     """A minimal report in the benchmark's JSON layout, for the pooling mode."""
     cfg = {"steps": 8, "warmup": 2, "batch_size": None, "bucket_cap_mb": None}
