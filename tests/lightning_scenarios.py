@@ -383,6 +383,8 @@ def cuda(out: Path) -> dict[str, Any]:
         ("normed", Normed, {"max_steps": 4, "sync_batchnorm": True}),
     ]
     for name, make, kwargs in runs:
+        pl.seed_everything(0, verbose=False)
+        result[f"{name}/init"] = weights(make())
         for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
             _, model = fit(strategy, make, **kwargs)
             result[f"{name}/{label}"] = weights(model)

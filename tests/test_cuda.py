@@ -130,7 +130,7 @@ def test_syncbatchnorm_on_cuda_matches_the_global_batch() -> None:
 
 def test_bucket_ddp_on_one_gpu_matches_strategy_ddp(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
-    from test_strategy import assert_same, run_script
+    from test_strategy import assert_same, moved, run_script
 
     scenarios = Path(__file__).resolve().parent / "lightning_scenarios.py"
     run_script([sys.executable, str(scenarios), "cuda", str(tmp_path)], timeout=300)
@@ -138,3 +138,4 @@ def test_bucket_ddp_on_one_gpu_matches_strategy_ddp(tmp_path: Path) -> None:
     for name in ("boring", "boring_bf16", "transformer_acc2", "normed"):
         assert result[f"{name}/bucket/backend"] == result[f"{name}/ddp/backend"] == "nccl"
         assert_same(result[f"{name}/bucket"], result[f"{name}/ddp"], tol=1e-6)
+        assert moved(result[f"{name}/init"], result[f"{name}/bucket"]), f"{name} did not train"
