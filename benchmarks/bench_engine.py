@@ -621,6 +621,7 @@ def run_meta(**extra: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "threads_per_rank": 1,
+        "backend": "gloo",
         **extra,
     }
 
@@ -705,7 +706,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if max(args.world_size) > gpus:
             p.error(
                 f"--device cuda runs one NCCL rank per GPU and this machine has {gpus}: "
-                f"pass --world-size {' '.join(str(w) for w in args.world_size if w <= gpus)}"
+                f"pass --world-size {' '.join(str(w) for w in args.world_size if w <= gpus) or 1}"
             )
     return args
 

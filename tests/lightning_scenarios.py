@@ -386,9 +386,10 @@ def cuda(out: Path) -> dict[str, Any]:
         pl.seed_everything(0, verbose=False)
         result[f"{name}/init"] = weights(make())
         for label, strategy in (("ddp", "ddp"), ("bucket", BucketDDP())):
-            _, model = fit(strategy, make, **kwargs)
+            trainer, model = fit(strategy, make, **kwargs)
             result[f"{name}/{label}"] = weights(model)
-            result[f"{name}/{label}/backend"] = torch.distributed.get_backend()
+            # The strategy's own choice: the process group may be the earlier run's.
+            result[f"{name}/{label}/backend"] = trainer.strategy.process_group_backend
     return result
 
 

@@ -1,10 +1,11 @@
 """The one helper every distributed test uses: run a function on N ranks (gloo by default).
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, joins them in a real
-gloo process group on a free loopback port, calls ``fn(rank, world_size, *args)`` on each
-and returns the per-rank results in rank order. A rank that raises fails the call with that
-rank's traceback; a run that outlives ``timeout`` seconds is killed and fails with the list
-of ranks still running, so a hang in the code under test shows up as a test failure.
+process group (gloo unless a test asks for nccl) on a free loopback port, calls ``fn(rank,
+world_size, *args)`` on each and returns the per-rank results in rank order. A rank that
+raises fails the call with that rank's traceback; a run that outlives ``timeout`` seconds is
+killed and fails with the list of ranks still running, so a hang in the code under test
+shows up as a test failure.
 
 Processes come from a forkserver that has torch preloaded, so a rank starts in a fraction
 of a second instead of re-importing torch.
@@ -107,7 +108,7 @@ def run_ranks(
 
     ``fn`` must be importable (a module-level function). Results travel through
     ``torch.save``, so tensors, dicts and lists come back as they were. ``backend`` is gloo
-    unless a CUDA test asks for nccl (rank ``r`` then uses GPU ``r``).
+    unless a CUDA test asks for nccl (rank ``r`` then uses GPU ``r`` modulo the GPU count).
     """
     port = free_port()
     pipes = [_CTX.Pipe(duplex=False) for _ in range(world_size)]

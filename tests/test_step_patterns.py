@@ -172,7 +172,8 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 DDP_RAISES_BEFORE_2_13 = ("two_forwards", "eval_forward")
-"""torch DDP itself fails these before torch 2.13 (seen with 2.11): its buffer broadcast
+"""torch DDP itself failed these with torch 2.11 (2.13 passes; versions between are
+unchecked, so every one before 2.13 is spared the comparison): its buffer broadcast
 in the second forward bumps the version of buffers BatchNorm saved for the first one's
 backward. The global batch stays their ground truth there."""
 
