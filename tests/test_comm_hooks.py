@@ -168,6 +168,28 @@ def test_powersgd_with_several_buckets_keeps_one_collective_order() -> None:
         assert_weights(r["ours"], r["theirs"], rank)
 
 
+def _powersgd_unused(rank: int, world: int) -> dict[str, Any]:
+    def run(system: Callable[..., nn.Module], unused: bool) -> dict[str, torch.Tensor]:
+        hooked = _hooked(system, "powersgd", find_unused_parameters=unused)
+        return train("mlp", hooked, rank, steps=5)["params"]
+
+    plain = train("mlp", BucketDataParallel, rank, steps=5)["params"]
+    return {"ours": run(BucketDataParallel, True), "torch": run(DDP, False), "plain": plain}
+
+
+def test_powersgd_with_find_unused_keeps_the_rebuilt_layout() -> None:
+    # torch DDP keeps its first bucket layout under find_unused_parameters=True; bucketddp
+    # rebuilds as always. PowerSGD draws its random matrices in bucket order, so bucketddp
+    # with the flag matches torch DDP without it, bit for bit. (torch DDP with the flag is
+    # no ground truth here: on gloo its used-parameter all-reduce races the hook's own
+    # collectives, and it aborted with a collective mismatch in 7 of 12 runs.)
+    _skip_powersgd_where_cuda_is("powersgd")
+    for r in run_ranks(_powersgd_unused, 2, timeout=90):
+        for name, want in r["torch"].items():
+            assert torch.equal(r["ours"][name], want), name
+        assert any(not torch.equal(r["ours"][n], r["plain"][n]) for n in r["plain"])
+
+
 @pytest.mark.parametrize("hook", ["fp16_compress", "powersgd"])
 def test_hook_runs_at_world_size_1_as_in_torch_ddp(hook: str) -> None:
     _skip_powersgd_where_cuda_is(hook)
