@@ -366,6 +366,29 @@ def measure_memory(
     }
 
 
+def measure_model_memory(
+    name: str, cfg: Config, repeats: int, backend: str
+) -> dict[str, dict[str, Any]]:
+    """Peak memory of every system on one model: ``repeats`` fresh pairs each, interleaved.
+
+    Each pair gives the larger of its two ranks' figures; a system's ``delta_mb`` is the
+    median over its pairs (``repeats_delta_mb`` lists them), which tames the allocator's
+    run-to-run noise of a few MB.
+    """
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    for r in range(repeats):
+        for s in SYSTEMS[r % len(SYSTEMS) :] + SYSTEMS[: r % len(SYSTEMS)]:
+            ranks = run_ranks(measure_memory, 2, name, s, cfg, backend=backend)
+            worst = max(ranks, key=lambda m: m["delta_mb"])
+            runs[s].append({**worst, "per_rank_delta_mb": [m["delta_mb"] for m in ranks]})
+    out = {}
+    for s, pairs in runs.items():
+        deltas = [p["delta_mb"] for p in pairs]
+        middle = min(pairs, key=lambda p: abs(p["delta_mb"] - statistics.median(deltas)))
+        out[s] = {**middle, "delta_mb": statistics.median(deltas), "repeats_delta_mb": deltas}
+    return out
+
+
 # ----------------------------------------------------------------------- analysis
 def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
@@ -679,6 +702,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     p.add_argument("--memory-steps", type=int, help="steps per memory run (default 4; quick 2)")
+    p.add_argument(
+        "--memory-repeats",
+        type=int,
+        help="fresh process pairs per system and model for peak memory; the median is "
+        "reported (default 3; quick 1)",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run: small rounds and steps")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"default: {DEFAULT_JSON}")
     p.add_argument(
@@ -689,12 +718,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run nothing: pool the round ratios of earlier runs' JSON files and print them",
     )
     args = p.parse_args(argv)
-    defaults = {"rounds": (12, 2), "steps": (8, 3), "warmup": (2, 1), "memory_steps": (4, 2)}
+    defaults = {
+        "rounds": (12, 2),
+        "steps": (8, 3),
+        "warmup": (2, 1),
+        "memory_steps": (4, 2),
+        "memory_repeats": (3, 1),
+    }
     for key, (full, quick) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
-    if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or args.memory_steps < 1:
-        p.error("--rounds, --steps and --memory-steps must be >= 1, --warmup >= 0")
+    counts = (args.rounds, args.steps, args.memory_steps, args.memory_repeats)
+    if min(counts) < 1 or args.warmup < 0:
+        p.error(
+            "--rounds, --steps, --memory-steps and --memory-repeats must be >= 1, --warmup >= 0"
+        )
     for opt in ("bucket_cap_mb", "first_bucket_mb"):
         value = getattr(args, opt)
         if value is not None and not value > 0:
@@ -732,7 +770,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     report: dict[str, Any] = {
         "meta": run_meta(loadavg_start=loadavg(), backend=backend, device=cfg.device, gpu=gpu),
-        "config": {**asdict(cfg), "models": args.models, "world_sizes": args.world_size},
+        "config": {
+            **asdict(cfg),
+            "models": args.models,
+            "world_sizes": args.world_size,
+            "memory_repeats": args.memory_repeats,
+        },
     }
     print(
         f"bucketddp {bucketddp.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs"
@@ -752,11 +795,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory: dict[str, dict[str, Any]] = {}
     if 2 in args.world_size and not args.no_memory:
         for name in args.models:
-            memory[name] = {}
-            for s in SYSTEMS:
-                ranks = run_ranks(measure_memory, 2, name, s, cfg, backend=backend)
-                worst = max(ranks, key=lambda m: m["delta_mb"])
-                memory[name][s] = {**worst, "per_rank_delta_mb": [m["delta_mb"] for m in ranks]}
+            memory[name] = measure_model_memory(name, cfg, args.memory_repeats, backend)
             print(f"  memory {name}: done ({time.perf_counter() - started:.0f}s)", flush=True)
         report["memory_world_size_2"] = memory
 
@@ -792,7 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu: CPU time per step of a rank's process, all threads (median, mean over ranks); "
         "less sensitive than step ms to other load on the machine;\n"
         f"peak MB: peak {'GPU memory allocated' if gpu else 'RSS'} growth over the built "
-        "model (new processes, max over ranks), "
+        "model (fresh process pairs, max over ranks, median over pairs), "
         "in brackets its difference to local"
     )
     print(

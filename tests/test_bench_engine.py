@@ -70,6 +70,26 @@ def test_comm_hook_option_reaches_both_wrappers(tmp_path: Path) -> None:
     assert result["bucketddp_collectives"] == result["bucketddp_buckets"] + 1
 
 
+def test_peak_memory_is_the_median_of_fresh_pairs(tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    args = ["--models", "transformer", "--rounds", "1", "--steps", "1", "--warmup", "0"]
+    args += ["--world-size", "2", "--memory-steps", "1", "--memory-repeats", "3"]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    memory = json.loads(out.read_text())["memory_world_size_2"]["transformer"]
+    assert set(memory) == {"local", "torch_ddp", "bucketddp"}
+    for system in memory.values():
+        pairs = system["repeats_delta_mb"]
+        assert len(pairs) == 3 and system["delta_mb"] == statistics.median(pairs)
+        assert len(system["per_rank_delta_mb"]) == 2
+
+
 def test_bad_bucket_size_is_refused() -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--bucket-cap-mb", "0"],
