@@ -206,6 +206,12 @@ def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
     return wrapped
 
 
+def rotated(systems: Sequence[str], round_: int) -> list[str]:
+    """The order of ``systems`` in round ``round_``: each round starts one system later."""
+    k = round_ % len(systems)
+    return [*systems[k:], *systems[:k]]
+
+
 def make_batches(spec: ModelSpec, cfg: Config, rank: int, round_: int, count: int) -> list[Batch]:
     """The batches of one round on one rank: the same for every system in that round."""
     size = cfg.batch_size or spec.batch_size
@@ -263,8 +269,7 @@ def time_model(
     per_round: dict[str, list[list[list[float]]]] = {s: [] for s in systems}
     for r in range(cfg.rounds):
         batches = make_batches(spec, cfg, rank, r, cfg.warmup + cfg.steps)
-        order = [systems[(r + k) % len(systems)] for k in range(len(systems))]
-        for s in order:
+        for s in rotated(systems, r):
             dist.barrier()
             rows = train_steps(models[s], optimizers[s], batches, cfg.device == "cuda")
             rows = rows[cfg.warmup :]
@@ -377,15 +382,16 @@ def measure_model_memory(
     """
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     for r in range(repeats):
-        for s in SYSTEMS[r % len(SYSTEMS) :] + SYSTEMS[: r % len(SYSTEMS)]:
+        for s in rotated(SYSTEMS, r):
             ranks = run_ranks(measure_memory, 2, name, s, cfg, backend=backend)
             worst = max(ranks, key=lambda m: m["delta_mb"])
             runs[s].append({**worst, "per_rank_delta_mb": [m["delta_mb"] for m in ranks]})
     out = {}
     for s, pairs in runs.items():
         deltas = [p["delta_mb"] for p in pairs]
-        middle = min(pairs, key=lambda p: abs(p["delta_mb"] - statistics.median(deltas)))
-        out[s] = {**middle, "delta_mb": statistics.median(deltas), "repeats_delta_mb": deltas}
+        median = statistics.median(deltas)
+        middle = min(pairs, key=lambda p: abs(p["delta_mb"] - median))
+        out[s] = {**middle, "delta_mb": median, "repeats_delta_mb": deltas}
     return out
 
 

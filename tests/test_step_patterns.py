@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from packaging.version import Version
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
@@ -179,7 +180,7 @@ backward. The global batch stays their ground truth there."""
 
 
 def _torch_before_2_13() -> bool:
-    return tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
+    return Version(torch.__version__).release < (2, 13)
 
 
 def _both(rank: int, world: int, case: str) -> tuple[Any, Any]:
