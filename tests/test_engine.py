@@ -564,6 +564,36 @@ def test_requires_process_group() -> None:
         BucketDataParallel(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        # A string from a command line: "False" is true, so it would switch the option on.
+        (
+            "find_unused_parameters",
+            "False",
+            "find_unused_parameters must be True or False, got str 'False'",
+        ),
+        ("gradient_as_bucket_view", None, "gradient_as_bucket_view must be True or False"),
+        ("static_graph", 2, "static_graph must be True or False, got int 2"),
+        ("init_sync", "yes", "init_sync must be True or False"),
+        ("broadcast_buffers", "no", "broadcast_buffers must be True, False or None, got str"),
+        ("forward_sync_buffers", 0.5, "forward_sync_buffers must be True, False or None"),
+    ],
+)
+def test_on_off_options_refuse_anything_but_a_bool_by_name(
+    option: str, value: object, message: str
+) -> None:
+    # Checked before anything else, so no process group is needed to see it.
+    with pytest.raises(TypeError, match=message):
+        BucketDataParallel(torch.nn.Linear(2, 2), **{option: value})
+
+
+def test_on_off_options_take_zero_and_one_as_torch_ddp_does() -> None:
+    from bucketddp.parallel import check_switches
+
+    check_switches(find_unused_parameters=1, static_graph=0, broadcast_buffers=None)
+
+
 def test_bad_bucket_size_is_rejected() -> None:
     with pytest.raises(RankError, match="bucket_cap_mb"):
         run_ranks(_bad_cap, 2, timeout=30)

@@ -144,6 +144,10 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
     assert BucketDDP(bucket_cap_mb=None)._ddp_kwargs["bucket_cap_mb"] == 25.0  # torch DDP's
     with pytest.raises(ValueError, match="unknown buffer policy 'avg'"):
         BucketDDP(default_buffer_policy="avg")
+    with pytest.raises(TypeError, match="sync_batchnorm must be True or False, got str 'yes'"):
+        BucketDDP(sync_batchnorm="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="find_unused_parameters must be True or False"):
+        BucketDDP(find_unused_parameters="False")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"buffer_sync is a list \(\['a'\]\); use a dict"):
         BucketDDP(buffer_sync=["a"])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="broadcast_buffers=True contradicts forward_sync_"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -102,6 +103,14 @@ class BucketDataParallel(nn.Module, Joinable):
         device_mesh: Any = None,
     ) -> None:
         check_wrappable(module)
+        check_switches(
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers,
+            static_graph=static_graph,
+            init_sync=init_sync,
+            forward_sync_buffers=forward_sync_buffers,
+        )
         super().__init__()
         Joinable.__init__(self)
         self._divide_by_initial_world_size = True
@@ -474,6 +483,29 @@ def check_wrappable(module: object) -> None:
                 "already reduce those gradients, so they would be reduced twice. Wrap the "
                 "plain model once: pass wrapper.module instead of the wrapper."
             )
+
+
+def check_switches(**switches: object) -> None:
+    """Raise if an on/off option holds something other than True or False (or None).
+
+    None is allowed for the options whose default it is (``broadcast_buffers``,
+    ``forward_sync_buffers``); 0 and 1 pass as well. Anything else, a string from a
+    command line above all (``"False"`` is true in Python), would silently switch the
+    option on, so it is refused.
+
+    Raises:
+        TypeError: naming the first such option and its value.
+    """
+    for name, value in switches.items():
+        if value is None and name in _OPTIONAL_SWITCHES:
+            continue
+        if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+            continue
+        allowed = "True, False or None" if name in _OPTIONAL_SWITCHES else "True or False"
+        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
+
+
+_OPTIONAL_SWITCHES = frozenset({"broadcast_buffers", "forward_sync_buffers"})
 
 
 def check_initialized(module: nn.Module) -> None:

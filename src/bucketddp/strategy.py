@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from .buckets import check_bucket_sizes
 from .buffers import Policy, check_rules, resolve_policies
-from .parallel import BucketDataParallel, buffer_default
+from .parallel import BucketDataParallel, buffer_default, check_switches
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
@@ -159,6 +159,15 @@ class BucketDDP(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         bucket_cap_mb, first_bucket_mb = check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
+        check_switches(
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers,
+            sync_batchnorm=sync_batchnorm,
+            static_graph=static_graph,
+            init_sync=init_sync,
+            forward_sync_buffers=forward_sync_buffers,
+        )
         check_rules(buffer_sync, "buffer_sync is")
         self._comm_hook = _comm_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         _check_averaging(ddp_comm_state, model_averaging_period)
