@@ -35,6 +35,22 @@ def _unfreeze_at_2(rank: int, step: int) -> bool:
     return step >= 2
 
 
+def _swap_at_2(rank: int, step: int) -> bool:
+    # The first layer unfreezes as the last one freezes (fine-tuning that moves on): the
+    # last stays in the plan, frozen, when the first joins it.
+    return step >= 2
+
+
+def _apply(model: nn.Module, name: str, schedule: Schedule, rank: int, t: int) -> None:
+    """Set the switched group's requires_grad for step (or micro-batch) ``t``."""
+    on = schedule(rank, t)
+    for p in _switched(model, name):
+        p.requires_grad_(on)
+    if schedule is _swap_at_2:
+        for p in model.net[4].parameters():
+            p.requires_grad_(not on)
+
+
 def _freeze_at_1_unfreeze_at_3(rank: int, step: int) -> bool:
     return step < 1 or step >= 3
 
@@ -73,8 +89,7 @@ def _train(
     ``per_micro``: the schedule's second argument counts micro-batches, not steps.
     """
     model = build(name)
-    for p in _switched(model, name):
-        p.requires_grad_(schedule(rank, 0))
+    _apply(model, name, schedule, rank, 0)
     opts = dict(opts)
     hook = opts.pop("comm_hook", None)
     wrapped = BucketDataParallel(model, **opts)
@@ -90,8 +105,7 @@ def _train(
     no_grad: list[list[str]] = []
     for step in range(steps):
         for micro in range(accumulate):
-            for p in _switched(model, name):
-                p.requires_grad_(schedule(rank, step * accumulate + micro if per_micro else step))
+            _apply(model, name, schedule, rank, step * accumulate + micro if per_micro else step)
             last = micro == accumulate - 1
             with contextlib.nullcontext() if last else wrapped.no_sync():
                 _step(forward, name, step * accumulate + micro, rank).backward()
@@ -127,8 +141,7 @@ def _reference(
     no_grad: list[list[str]] = []
     for step in range(steps):
         for micro in range(accumulate):
-            for p in _switched(model, name):
-                p.requires_grad_(schedule(0, step * accumulate + micro if per_micro else step))
+            _apply(model, name, schedule, 0, step * accumulate + micro if per_micro else step)
             losses = []
             for rank in range(world):
 
@@ -153,6 +166,10 @@ MID_WINDOW = {"accumulate": 2, "per_micro": True}
 CASES: dict[str, tuple[str, Schedule, dict[str, Any], dict[str, Any]]] = {
     "unfreeze": ("mlp", _unfreeze_at_2, {}, {}),
     "unfreeze_tiny_buckets": ("mlp", _unfreeze_at_2, TINY, {}),
+    # Before, hooking the plan anew raised torch's "cannot register a hook on a tensor that
+    # doesn't require gradient" on the frozen last layer, at the end of that backward.
+    "swap": ("mlp", _swap_at_2, {}, {}),
+    "swap_static_graph": ("mlp", _swap_at_2, {"static_graph": True}, {}),
     # Averaged in plain all-reduce the first step, through the hook once in the buckets.
     "unfreeze_comm_hook": ("mlp", _unfreeze_at_2, {"comm_hook": allreduce_hook, **TINY}, {}),
     "unfreeze_no_view": ("mlp", _unfreeze_at_2, {"gradient_as_bucket_view": False}, {}),

@@ -304,7 +304,7 @@ class Reducer:
         # partial (C-implemented) rather than a closure: one Python frame less per parameter
         # per step on the hot path.
         self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._hook_for(i), i))
+            _ready_hook(p, functools.partial(self._hook_for(i), i))
             for i, p in enumerate(self._params)
         ]
 
@@ -1336,6 +1336,24 @@ class _Once:
         fn, self.fn = self.fn, None
         if fn is not None:
             fn()
+
+
+def _ready_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
+    """Have ``hook(param)`` run after each gradient is accumulated into ``param``.
+
+    Also for a parameter that is frozen right now: a member of the plan frozen after it
+    joined (when parameters unfrozen on every rank join the plan, the others are hooked
+    anew). torch refuses the registration on a tensor that does not require a gradient,
+    so ``requires_grad`` is set for the registration and cleared again; the hook stays,
+    and runs once the parameter is unfrozen.
+    """
+    if param.requires_grad:
+        return param.register_post_accumulate_grad_hook(hook)
+    param.requires_grad_(True)
+    try:
+        return param.register_post_accumulate_grad_hook(hook)
+    finally:
+        param.requires_grad_(False)
 
 
 def _flag_rows(dtype: torch.dtype, world_size: int) -> int:
