@@ -247,10 +247,20 @@ def test_requires_grad_change_while_a_rank_has_finished_raises_on_every_rank() -
         assert "requires_grad differs between ranks for parameters net.0.weight" in said
 
 
-def _unfreezing(rank: int, world: int, steps: list[int], by_initial: bool) -> dict[str, Any]:
-    """The MLP with its first layer frozen, unfrozen on every rank after that rank's step 1."""
+def _switch(model: nn.Module, change: str, step: int) -> None:
+    """``unfreeze``: net.0.weight frozen until after step 1. ``freeze``: net.0.bias from then."""
+    if change == "unfreeze":
+        model.net[0].weight.requires_grad_(step > 1)
+    else:
+        model.net[0].bias.requires_grad_(step <= 1)
+
+
+def _switching(
+    rank: int, world: int, steps: list[int], by_initial: bool, change: str
+) -> dict[str, Any]:
+    """The MLP with a parameter (un)frozen on every rank after that rank's step 1."""
     model = build("mlp")
-    model.net[0].weight.requires_grad_(False)
+    _switch(model, change, 0)
     wrapped = BucketDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     with wrapped.join(divide_by_initial_world_size=by_initial):
@@ -259,21 +269,23 @@ def _unfreezing(rank: int, world: int, steps: list[int], by_initial: bool) -> di
             F.mse_loss(wrapped(x), y).backward()
             opt.step()
             opt.zero_grad()
-            if step == 1:
-                model.net[0].weight.requires_grad_(True)
+            _switch(model, change, step + 1)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("by_initial", [True, False])
-def test_a_parameter_unfrozen_on_every_rank_after_one_joined_trains_as_one_process(
-    by_initial: bool,
+@pytest.mark.parametrize("change", ["unfreeze", "freeze"])
+def test_a_parameter_switched_on_every_rank_after_one_joined_trains_as_one_process(
+    by_initial: bool, change: str
 ) -> None:
-    # Rank 1 unfreezes net.0.weight after its last step, then joins; rank 0's next backward
-    # is the first to see it trainable on every rank. Before, the joined rank missed the
-    # extra all-reduce of such parameters: gloo failed with a collective mismatch.
+    # Rank 1 switches the parameter after its last step, then joins; rank 0's next backward
+    # is the first to see the change on every rank. Before, with "unfreeze", the joined rank
+    # missed the extra all-reduce of parameters now trainable everywhere: gloo failed with a
+    # collective mismatch. With "freeze", the frozen parameter got a zero .grad on rank 0
+    # (the joined rank sent no "missing" flag for it), and momentum moved it on.
     steps = [4, 2]
     truth = build("mlp")
-    truth.net[0].weight.requires_grad_(False)
+    _switch(truth, change, 0)
     opt = torch.optim.SGD(truth.parameters(), lr=0.05, momentum=0.9)
     for step in range(max(steps)):
         training = [r for r in range(2) if steps[r] > step]
@@ -282,9 +294,8 @@ def test_a_parameter_unfrozen_on_every_rank_after_one_joined_trains_as_one_proce
             (F.mse_loss(truth(x), y) / (2 if by_initial else len(training))).backward()
         opt.step()
         opt.zero_grad()
-        if step == 1:
-            truth.net[0].weight.requires_grad_(True)
-    results = run_ranks(_unfreezing, 2, steps, by_initial, timeout=60)
+        _switch(truth, change, step + 1)
+    results = run_ranks(_switching, 2, steps, by_initial, change, timeout=60)
     for n, want in truth.named_parameters():
         torch.testing.assert_close(results[0][n], want.detach(), rtol=0, atol=1e-6, msg=n)
 

@@ -235,6 +235,7 @@ class BucketDataParallel(nn.Module, Joinable):
         if step.sync_backward:
             by_initial = self._divide_by_initial_world_size
             self.reducer.set_divisor(world_size if by_initial else step.ranks)
+            self.reducer.set_training_ranks(step.ranks)
 
     def join(
         self,
@@ -291,6 +292,7 @@ class BucketDataParallel(nn.Module, Joinable):
         """Leave join mode: called by the join hook once every rank has joined."""
         self._join_config = self._join_config._replace(enable=False)
         self.reducer.set_divisor(self.reducer.world_size)
+        self.reducer.set_training_ranks(self.reducer.world_size)
         self._sync_buffers_next = True
 
     def _check_parameters(self) -> None:

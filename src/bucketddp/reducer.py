@@ -236,6 +236,9 @@ class Reducer:
         # Gradients are averaged over ``_divisor`` ranks: the world size, or under
         # ``join(divide_by_initial_world_size=False)`` the ranks still training.
         self._divisor = self.world_size
+        # The ranks taking part in the next synced backward with gradients of their own: the
+        # world size, or under ``join()`` the ranks still training (see set_training_ranks).
+        self._training_ranks = self.world_size
         self._scale = 1.0 / self.world_size
         self._cap_bytes = cap_bytes(bucket_cap_mb)
         self._first_cap_bytes = cap_bytes(first_bucket_mb)
@@ -835,6 +838,10 @@ class Reducer:
             self._scale = 1.0 / ranks
         self._set_scales()
 
+    def set_training_ranks(self, ranks: int) -> None:
+        """How many ranks send gradients in the next synced backward (fewer under ``join()``)."""
+        self._training_ranks = ranks
+
     def _launch_hook(self, bucket: _Bucket) -> None:
         # Views of its own for the hook's GradBucket: one it keeps must not hold the slots'
         # views, which would look like a .grad kept by the user (see _fill_slot).
@@ -1028,9 +1035,11 @@ class Reducer:
             if frozen is not None:
                 # Frozen everywhere: .grad untouched, unless some rank got a gradient for it
                 # since the last synced backward (inside no_sync, before freezing it): then
-                # it takes the average, as a used parameter does.
+                # it takes the average, as a used parameter does. A rank that has joined
+                # (uneven inputs) counts in neither: it sends no gradient and no flag.
                 missed = counts.tolist()
-                take = [not f or c < self.world_size for f, c in zip(frozen, missed, strict=True)]
+                ranks = self._training_ranks
+                take = [not f or c < ranks for f, c in zip(frozen, missed, strict=True)]
             if not self.gradient_as_bucket_view:
                 self._copy_back(take)
             elif take is not None:
