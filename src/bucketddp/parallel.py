@@ -501,7 +501,7 @@ def check_switches(**switches: object) -> None:
     for name, value in switches.items():
         if value is None and name in _OPTIONAL_SWITCHES:
             continue
-        if isinstance(value, bool) or (isinstance(value, numbers.Integral) and value in (0, 1)):
+        if isinstance(value, numbers.Integral) and value in (0, 1):  # bools included
             continue
         allowed = "True, False or None" if name in _OPTIONAL_SWITCHES else "True or False"
         raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
