@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-CommHook = Callable[[Any, "GradBucket"], "torch.futures.Future[Any]"]
+# The bucket is typed Any: torch's hooks are annotated with ``dist.GradBucket``, and they
+# take the GradBucket below at run time just as well.
+CommHook = Callable[[Any, Any], "torch.futures.Future[Any]"]
 
 
 class GradBucket:
