@@ -4,6 +4,7 @@
     python3 dev.py demo    # train on 2 CPU processes with bucketddp and torch DDP, side by side
     python3 dev.py test    # the test suite
     python3 dev.py bench   # the engine benchmark (bucketddp vs torch DDP vs no communication)
+    python3 dev.py fuzz    # the engine fuzzer, outside the suite: --schedules 200, --replay SEED
     python3 dev.py lint    # ruff and mypy
 
 The first call creates .venv and installs the project with every pin in constraints.txt,
@@ -28,6 +29,7 @@ COMMANDS = {
     "demo": [["examples/demo.py"]],
     "test": [["-m", "pytest", "-q"]],
     "bench": [["benchmarks/bench_engine.py"]],
+    "fuzz": [["tests/fuzz_engine.py"]],
     "lint": [
         ["-m", "ruff", "check", "src", "tests", "examples", "benchmarks", "dev.py"],
         ["-m", "mypy"],

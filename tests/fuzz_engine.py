@@ -1,0 +1,679 @@
+#!/usr/bin/env python3
+"""A seeded, randomized differential fuzzer for ``BucketDataParallel``.
+
+Each *schedule* is a pure function of one integer seed (``random.Random(seed)``): a world
+size, a small model put together from building blocks, engine options, and 2-5 training
+steps. The schedule trains on real gloo ranks (``tests/multirank.py``), and every rank's
+parameters after every step it trains, its final parameters and its final buffers are
+compared with one process that trains the same model on the global batch:
+
+- **Gradients.** Each step, every rank still training adds its loss, divided by the world
+  size (or, under ``join(divide_by_initial_world_size=False)`` without a communication hook,
+  by the number of ranks still training), and backward runs once per rank's batch, so
+  BatchNorm sees each rank's batch as the rank does. ``no_sync()`` micro-batches accumulate
+  the same way. SGD with momentum 0.9 then steps, and ``zero_grad`` uses the step's
+  ``set_to_none``. A parameter that no rank uses keeps its ``.grad``, in both systems.
+- **Buffers** (BatchNorm's). The reference keeps each rank's buffers and applies the
+  documented policy: with ``broadcast_buffers`` on, every rank takes rank 0's values
+  (under ``join()``: the highest rank still training) before the first forward and before
+  each forward that follows a synced one; at the end of ``join()`` every rank takes those
+  of the highest rank that trained last. With it off, each rank keeps its own.
+
+Only combinations docs/engine.md documents as supported are generated: ``static_graph``
+only for a static graph (no rank-dependent branch, no freezing, no ``join()``, no sparse
+embedding), no communication hook with a sparse embedding, and freezing or unfreezing only
+before a step every rank trains.
+
+Usage (``python3 dev.py fuzz ...`` runs it in the project's venv)::
+
+    .venv/bin/python tests/fuzz_engine.py --schedules 200 --seed 0
+    .venv/bin/python tests/fuzz_engine.py --replay 17     # one schedule, described in full
+
+It prints one line per schedule and exits non-zero if any fails, with the ``--replay``
+command of each failing seed. The tolerance is ``ATOL``/``RTOL`` plus the rounding a
+schedule amplifies (see ``compare``). Schedules of one world size share a launch,
+``--group`` seeds at a time, since each rank process spends about two seconds importing
+``torch._dynamo`` once; a launch that fails runs again one schedule at a time, so that the
+failure names one seed. ``tests/test_fuzz.py`` runs a few seeds in the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import random
+import re
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from bucketddp import BucketDataParallel
+from multirank import run_ranks
+
+IN, OUT, VOCAB, TOKENS = 6, 3, 11, 3
+LR, MOMENTUM = 0.05, 0.9
+RTOL = ATOL = 1e-5
+TINY_MB = (0.0001, 0.0002, 0.001)  # a few parameters per bucket, or one each
+WORLD_SIZES = (2, 3)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step of a schedule."""
+
+    micro: int
+    """Forward/backward passes in the step; all but the last run inside ``no_sync()``."""
+    set_to_none: bool
+    """``zero_grad(set_to_none=...)`` after ``opt.step()``."""
+    target_trains: bool
+    """``requires_grad`` of the freeze target's parameters during this step."""
+    branch: tuple[tuple[bool, ...], ...]
+    """``branch[micro][rank]``: whether the branch layer runs in that forward."""
+    lookup: tuple[tuple[bool, ...], ...]
+    """``lookup[micro][rank]``: whether the sparse embedding runs in that forward."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Everything one fuzz run does, generated from ``seed`` by ``make_schedule``."""
+
+    seed: int
+    world: int
+    width: int
+    depth: int
+    """Hidden ``Linear`` layers after the input layer."""
+    tied: bool
+    """A token embedding whose weight is also the output projection's."""
+    double: bool
+    """A float64 ``Linear`` beside the float32 layers."""
+    branch: bool
+    """A layer run or skipped by rank and step (rank-dependent control flow)."""
+    spare: bool
+    """A layer no rank ever runs."""
+    bn: bool
+    sparse: bool
+    """An ``nn.Embedding(sparse=True)``."""
+    sparse_branch: bool
+    """The sparse embedding, too, runs on some ranks and steps only."""
+    batch_sizes: tuple[int, ...]
+    """Samples per batch, by rank."""
+    options: dict[str, Any]
+    """Keyword arguments of ``BucketDataParallel``."""
+    hook: bool
+    """``register_comm_hook(None, allreduce_hook)``."""
+    join: bool
+    by_initial: bool
+    """``join(divide_by_initial_world_size=...)``."""
+    batches: tuple[int, ...]
+    """Steps each rank trains (all equal without ``join``)."""
+    freeze: str | None
+    """The module whose parameters are frozen and unfrozen (on every rank alike)."""
+    steps: tuple[Step, ...]
+
+    def features(self) -> set[str]:
+        """Short tags of what the schedule exercises (for coverage counts and test picks)."""
+        tags = {f"world{self.world}"}
+        tags |= {
+            n for n in ("tied", "double", "branch", "spare", "bn", "sparse") if getattr(self, n)
+        }
+        tags |= {n for n in ("sparse_branch", "hook", "join") if getattr(self, n)}
+        if self.join and len(set(self.batches)) > 1:
+            tags.add("uneven")
+        for opt in ("find_unused_parameters", "static_graph"):
+            if self.options[opt]:
+                tags.add(opt)
+        if not self.options["gradient_as_bucket_view"]:
+            tags.add("no_view")
+        if any(s.micro > 1 for s in self.steps):
+            tags.add("no_sync")
+        if any(not s.set_to_none for s in self.steps):
+            tags.add("keep_grads")
+        if any(
+            a.target_trains != b.target_trains
+            for a, b in zip(self.steps, self.steps[1:], strict=False)
+        ):
+            tags.add("freeze_switch")
+        if self.freeze is not None and not self.steps[0].target_trains:
+            tags.add("frozen_at_wrap")
+        return tags
+
+    def short(self) -> str:
+        """A one-line summary: model | engine | steps."""
+        blocks = [f"L{self.depth + 1}x{self.width}"]
+        blocks += [
+            n for n in ("tied", "double", "branch", "spare", "bn", "sparse") if getattr(self, n)
+        ]
+        if self.sparse_branch:
+            blocks[blocks.index("sparse")] = "sparse(some)"
+        o = self.options
+        cap, first = o["bucket_cap_mb"], o["first_bucket_mb"]
+        engine = [f"cap={'-' if cap is None else f'{cap:g}'}"]
+        engine.append(f"first={'-' if first is None else f'{first:g}'}")
+        engine.append(f"view={'T' if o['gradient_as_bucket_view'] else 'F'}")
+        if o["find_unused_parameters"]:
+            engine.append("unused")
+        if o["static_graph"]:
+            engine.append("static")
+        engine.append(f"bb={o['broadcast_buffers']}")
+        if self.hook:
+            engine.append("hook")
+        steps = []
+        previous = self.steps[0].target_trains
+        for s in self.steps:
+            token = "S" if s.micro == 1 else f"A{s.micro}"
+            if s.target_trains != previous:
+                token = ("U" if s.target_trains else "F") + token
+            previous = s.target_trains
+            steps.append(token + ("" if s.set_to_none else "k"))
+        if self.join:
+            by = "init" if self.by_initial else "live"
+            steps.append(f"join{list(self.batches)}/{by}")
+        return f"w{self.world} {'+'.join(blocks)} | {' '.join(engine)} | {' '.join(steps)}"
+
+    def describe(self) -> str:
+        """Everything the schedule does, several lines (printed by ``--replay``)."""
+        lines = [f"schedule {self.seed}: world size {self.world}"]
+        parts = [f"inp Linear({IN}, {self.width})"]
+        if self.bn:
+            parts.append(f"bn BatchNorm1d({self.width})")
+        parts += [f"trunk.{i} Linear({self.width}, {self.width})" for i in range(self.depth)]
+        if self.tied:
+            parts.append(f"emb Embedding({VOCAB}, {self.width}) tied to out Linear(.., {VOCAB})")
+        if self.sparse:
+            some = " (some ranks, some steps)" if self.sparse_branch else ""
+            parts.append(f"lookup Embedding({VOCAB}, {self.width}, sparse=True){some}")
+        if self.double:
+            parts.append(f"f64 Linear({self.width}, {self.width}) in float64")
+        if self.branch:
+            parts.append(f"branch Linear({self.width}, {self.width}) (some ranks, some steps)")
+        if self.spare:
+            parts.append(f"spare Linear({self.width}, {self.width}) (never run)")
+        parts.append(f"head Linear({self.width}, {OUT})")
+        lines.append("  model: " + "; ".join(parts))
+        lines.append(f"  batch sizes by rank: {list(self.batch_sizes)}")
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        lines.append(f"  BucketDataParallel({opts})")
+        if self.hook:
+            lines.append("  register_comm_hook(None, default_hooks.allreduce_hook)")
+        if self.join:
+            lines.append(
+                f"  join(divide_by_initial_world_size={self.by_initial}); "
+                f"steps by rank: {list(self.batches)}"
+            )
+        if self.freeze is not None:
+            when = "trainable" if self.steps[0].target_trains else "frozen"
+            lines.append(f"  freeze target: {self.freeze} ({when} when wrapped)")
+        for i, s in enumerate(self.steps):
+            ranks = [r for r in range(self.world) if self.batches[r] > i]
+            text = f"  step {i} (ranks {ranks}): "
+            text += (
+                "1 synced forward" if s.micro == 1 else f"{s.micro - 1} under no_sync + 1 synced"
+            )
+            if self.freeze is not None:
+                text += f", {self.freeze} {'trains' if s.target_trains else 'frozen'}"
+            if self.branch:
+                text += f", branch on ranks {[[r for r in ranks if m[r]] for m in s.branch]}"
+            if self.sparse_branch:
+                text += f", lookup on ranks {[[r for r in ranks if m[r]] for m in s.lookup]}"
+            text += f", zero_grad(set_to_none={s.set_to_none})"
+            lines.append(text)
+        return "\n".join(lines)
+
+
+def make_schedule(seed: int, world_sizes: Sequence[int] = WORLD_SIZES) -> Schedule:
+    """The schedule of ``seed``: only combinations docs/engine.md documents as supported."""
+    rng = random.Random(seed)
+    world = rng.choice(list(world_sizes))
+    width = rng.choice([4, 6, 8, 12])
+    depth = rng.randint(0, 2)
+    tied, double, branch = rng.random() < 0.4, rng.random() < 0.35, rng.random() < 0.4
+    spare, bn, sparse = rng.random() < 0.25, rng.random() < 0.4, rng.random() < 0.3
+    sparse_branch = sparse and rng.random() < 0.5
+    # BatchNorm over two samples normalizes them to +-1: gradients through it amplify float
+    # rounding by orders of magnitude, so it gets three samples at least.
+    batch_sizes = tuple(rng.randint(3 if bn else 2, 5) for _ in range(world))
+    n_steps = rng.randint(2, 5)
+
+    join = rng.random() < 0.35
+    by_initial = rng.random() < 0.5
+    if join:
+        batches = [rng.randint(0, n_steps) for _ in range(world)]
+        batches[rng.randrange(world)] = n_steps
+    else:
+        batches = [n_steps] * world
+    # A switch of requires_grad needs every rank training (docs/engine.md, join rules).
+    switchable = range(1, min(batches))
+
+    # The head always trains, so every backward reaches a parameter on every rank.
+    candidates = ["inp", *(f"trunk.{i}" for i in range(depth))]
+    candidates += [n for n, on in (("bn", bn), ("emb", tied), ("f64", double)) if on]
+    candidates += [n for n, on in (("branch", branch), ("lookup", sparse)) if on]
+    freeze = rng.choice(candidates) if rng.random() < 0.45 else None
+    # A sparse embedding frozen when wrapped and unfrozen later raises (documented).
+    trains = freeze == "lookup" or rng.random() < 0.5
+
+    hook = not sparse and rng.random() < 0.3
+    static_ok = not branch and not join and freeze is None and not sparse
+    static = static_ok and rng.random() < 0.6
+    must_find = branch or sparse_branch or (spare and not static)
+    cap = rng.choice([None, 25.0, *TINY_MB])
+    first = rng.choice([None, rng.choice(TINY_MB), cap])
+    options = {
+        "bucket_cap_mb": cap,
+        "first_bucket_mb": first,
+        "gradient_as_bucket_view": rng.random() < 0.5,
+        "find_unused_parameters": must_find or rng.random() < 0.3,
+        "static_graph": static,
+        "broadcast_buffers": rng.choice([None, True, False]),
+    }
+
+    steps = []
+    for i in range(n_steps):
+        if freeze is not None and i in switchable and rng.random() < 0.5:
+            trains = not trains
+        micro = 1 if rng.random() < 0.7 else rng.randint(2, 3)
+        table = tuple(
+            tuple(branch and rng.random() < 0.5 for _ in range(world)) for _ in range(micro)
+        )
+        lookup = tuple(
+            tuple(not sparse_branch or rng.random() < 0.5 for _ in range(world))
+            for _ in range(micro)
+        )
+        steps.append(Step(micro, rng.random() < 0.7, trains, table, lookup))
+    return Schedule(
+        seed=seed,
+        world=world,
+        width=width,
+        depth=depth,
+        tied=tied,
+        double=double,
+        branch=branch,
+        spare=spare,
+        bn=bn,
+        sparse=sparse,
+        sparse_branch=sparse_branch,
+        batch_sizes=batch_sizes,
+        options=options,
+        hook=hook,
+        join=join,
+        by_initial=by_initial,
+        batches=tuple(batches),
+        freeze=freeze,
+        steps=tuple(steps),
+    )
+
+
+class FuzzNet(nn.Module):
+    """The schedule's model: optional blocks around an input layer and a head."""
+
+    def __init__(self, s: Schedule) -> None:
+        super().__init__()
+        w = s.width
+        self.inp = nn.Linear(IN, w)
+        self.bn = nn.BatchNorm1d(w) if s.bn else None
+        self.trunk = nn.ModuleList(nn.Linear(w, w) for _ in range(s.depth))
+        self.emb = nn.Embedding(VOCAB, w) if s.tied else None
+        self.out = nn.Linear(w, VOCAB, bias=False) if s.tied else None
+        if self.out is not None and self.emb is not None:
+            self.out.weight = self.emb.weight
+        self.lookup = nn.Embedding(VOCAB, w, sparse=True) if s.sparse else None
+        self.f64 = nn.Linear(w, w).double() if s.double else None
+        self.branch = nn.Linear(w, w) if s.branch else None
+        self.spare = nn.Linear(w, w) if s.spare else None
+        self.head = nn.Linear(w, OUT)
+
+    def forward(
+        self, x: torch.Tensor, tokens: torch.Tensor, use_branch: bool, use_lookup: bool
+    ) -> tuple[torch.Tensor, ...]:
+        h = self.inp(x)
+        if self.bn is not None:
+            h = self.bn(h)
+        h = torch.tanh(h)
+        for layer in self.trunk:
+            h = torch.tanh(layer(h))
+        if self.emb is not None:
+            h = h + self.emb(tokens).mean(dim=1)
+        if self.lookup is not None and use_lookup:
+            h = h + self.lookup(tokens).mean(dim=1)
+        if self.f64 is not None:
+            h = h + torch.tanh(self.f64(h.double())).to(h.dtype)
+        if self.branch is not None and use_branch:
+            h = h + torch.tanh(self.branch(h))
+        if self.out is None:
+            return (self.head(h),)
+        return self.head(h), self.out(h)
+
+
+def build_model(s: Schedule) -> FuzzNet:
+    """The schedule's model, initialized from its seed; the freeze target as when wrapped."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(s.seed)
+        model = FuzzNet(s)
+    set_target(model, s, s.steps[0].target_trains)
+    return model
+
+
+def set_target(model: nn.Module, s: Schedule, trains: bool) -> None:
+    if s.freeze is not None:
+        model.get_submodule(s.freeze).requires_grad_(trains)
+
+
+def batch(s: Schedule, step: int, micro: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """Rank ``rank``'s inputs and targets for one forward: a function of the indices only."""
+    g = torch.Generator().manual_seed(
+        random.Random(f"{s.seed}/{step}/{micro}/{rank}").getrandbits(62)
+    )
+    n = s.batch_sizes[rank]
+    x = torch.randn(n, IN, generator=g)
+    tokens = torch.randint(0, VOCAB, (n, TOKENS), generator=g)
+    y = torch.randn(n, OUT, generator=g)
+    labels = torch.randint(0, VOCAB, (n,), generator=g)
+    return x, tokens, y, labels
+
+
+def loss_of(out: tuple[torch.Tensor, ...], y: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    loss = F.mse_loss(out[0], y)
+    if len(out) > 1:
+        loss = loss + F.cross_entropy(out[1], labels)
+    return loss
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def train_rank(rank: int, world: int, s: Schedule) -> dict[str, Any]:
+    """Run the schedule through ``BucketDataParallel`` on this rank (a ``run_ranks`` target)."""
+    model = build_model(s)
+    wrapped = BucketDataParallel(model, **s.options)
+    if s.hook:
+        wrapped.register_comm_hook(None, allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    snapshots = []
+    # Only build the Join when it is used: torch's Join() switches its joinables' join
+    # mode on as soon as it is constructed, entered or not.
+    joined = wrapped.join(divide_by_initial_world_size=s.by_initial) if s.join else None
+    with joined if joined is not None else contextlib.nullcontext():
+        for i in range(s.batches[rank]):
+            step = s.steps[i]
+            set_target(model, s, step.target_trains)
+            for m in range(step.micro):
+                synced = m == step.micro - 1
+                with contextlib.nullcontext() if synced else wrapped.no_sync():
+                    x, tokens, y, labels = batch(s, i, m, rank)
+                    out = wrapped(x, tokens, step.branch[m][rank], step.lookup[m][rank])
+                    loss_of(out, y, labels).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=step.set_to_none)
+            snapshots.append(_params(model))
+    return {"steps": snapshots, "params": _params(model), "buffers": _buffers(model)}
+
+
+def reference(s: Schedule, precise: bool = False) -> dict[str, Any]:
+    """One process on the global batch: per-step parameters, final parameters, buffers by rank.
+
+    ``precise`` trains in float64 throughout; the difference from the float32 run tells how
+    far float rounding alone moves each tensor (see ``compare``).
+    """
+    model = build_model(s)
+    if precise:
+        model.double()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    broadcast = s.options["broadcast_buffers"] is not False
+    rank_buffers = [_buffers(model) for _ in range(s.world)]
+    sync_next = True  # before the first forward, and after each synced one
+    snapshots = []
+    for i, step in enumerate(s.steps):
+        training = [r for r in range(s.world) if s.batches[r] > i]
+        # A communication hook divides by itself (allreduce_hook: by the group's size).
+        by_world = not s.join or s.by_initial or s.hook
+        divisor = s.world if by_world else len(training)
+        set_target(model, s, step.target_trains)
+        for m in range(step.micro):
+            if sync_next and broadcast:
+                src = training[-1] if s.join else 0
+                rank_buffers = [
+                    {n: b.clone() for n, b in rank_buffers[src].items()} for _ in range(s.world)
+                ]
+            for r in training:
+                _load_buffers(model, rank_buffers[r])
+                x, tokens, y, labels = batch(s, i, m, r)
+                if precise:
+                    x, y = x.double(), y.double()
+                out = model(x, tokens, step.branch[m][r], step.lookup[m][r])
+                (loss_of(out, y, labels) / divisor).backward()
+                rank_buffers[r] = _buffers(model)
+            sync_next = m == step.micro - 1
+        opt.step()
+        opt.zero_grad(set_to_none=step.set_to_none)
+        snapshots.append(_params(model))
+    if s.join and broadcast:
+        last = max(r for r in range(s.world) if s.batches[r] == len(s.steps))
+        rank_buffers = [rank_buffers[last] for _ in range(s.world)]
+    return {"steps": snapshots, "params": _params(model), "buffers": rank_buffers}
+
+
+def _load_buffers(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(values[n])
+
+
+@dataclass
+class Outcome:
+    """The verdict on one schedule."""
+
+    seed: int
+    ok: bool
+    error: float
+    """The largest absolute difference from the reference."""
+    seconds: float
+    detail: str = ""
+    """The first mismatches, or the failing rank's traceback."""
+
+
+def compare(s: Schedule, ranks: Sequence[dict[str, Any]]) -> tuple[float, list[str]]:
+    """The largest difference from the reference, and a line per tensor out of tolerance.
+
+    Every rank's parameters after each step it trained, its final parameters and its final
+    buffers must be within ``ATOL + RTOL * |reference|`` of the float32 reference, plus four
+    times the largest difference between the float32 and the float64 reference in that
+    tensor. The last term is float rounding, which an ill-conditioned schedule (a BatchNorm
+    over a few samples) amplifies over the steps in any two float32 runs; it is zero for
+    most tensors.
+    """
+    want, exact = reference(s), reference(s, precise=True)
+    worst, bad = 0.0, []
+
+    def check(
+        got: dict[str, torch.Tensor],
+        ref: dict[str, torch.Tensor],
+        ref64: dict[str, torch.Tensor],
+        where: str,
+    ) -> None:
+        nonlocal worst
+        if got.keys() != ref.keys():
+            bad.append(f"{where}: names differ: {sorted(got.keys() ^ ref.keys())}")
+            return
+        for name, r in ref.items():
+            g = got[name]
+            if g.shape != r.shape or g.dtype != r.dtype:
+                bad.append(f"{where} {name}: {g.dtype}{list(g.shape)} vs {r.dtype}{list(r.shape)}")
+                continue
+            g, r = g.double(), r.double()
+            diff = (g - r).abs()
+            if not diff.numel():
+                continue
+            noise = float((r - ref64[name].double()).abs().max())
+            err = float(diff.max())
+            worst = max(worst, err)
+            if not bool((diff <= ATOL + RTOL * r.abs() + 4 * noise).all()):
+                bad.append(f"{where} {name}: max abs error {err:.3g} (rounding {noise:.2g})")
+
+    for rank, got in enumerate(ranks):
+        for i, params in enumerate(got["steps"]):
+            check(params, want["steps"][i], exact["steps"][i], f"rank {rank} after step {i}")
+        check(got["params"], want["params"], exact["params"], f"rank {rank} final")
+        where = f"rank {rank} final buffers"
+        check(got["buffers"], want["buffers"][rank], exact["buffers"][rank], where)
+    return worst, bad
+
+
+def train_group(rank: int, world: int, schedules: Sequence[Schedule]) -> list[dict[str, Any]]:
+    """``train_rank`` for several schedules in turn, in one process group.
+
+    A rank process imports ``torch._dynamo`` (through ``torch.optim``) the first time it
+    builds an optimizer, about two seconds: a group pays that once.
+    """
+    # Import it before the first timing, so that each schedule's time is its own.
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=LR)
+    results = []
+    for s in schedules:
+        start = time.perf_counter()
+        try:
+            result = train_rank(rank, world, s)
+        except Exception as err:
+            raise RuntimeError(f"fuzz schedule {s.seed} raised on rank {rank}") from err
+        result["seconds"] = time.perf_counter() - start
+        results.append(result)
+        gc.collect()  # the wrapper and its hooks go before the next schedule's
+    return results
+
+
+def run_group(schedules: Sequence[Schedule], timeout: float = 60.0) -> list[Outcome]:
+    """Train schedules of one world size in one launch and judge each against its reference.
+
+    If a rank raises or the launch times out, each schedule runs again in a launch of its
+    own, so that the failure is pinned on one seed. Should every one of them pass alone,
+    the failure depends on the schedules before it in the same processes: the seed the
+    error names (or, after a hang, every seed of the group) fails, and says so.
+    """
+    world = schedules[0].world
+    assert all(s.world == world for s in schedules)
+    start = time.monotonic()
+    try:
+        # A schedule takes well under a second once the ranks have imported torch._dynamo.
+        limit = timeout + 5.0 * (len(schedules) - 1)
+        by_rank = run_ranks(train_group, world, list(schedules), timeout=limit)
+    except Exception as err:  # a rank raised, died or hung
+        text = str(err) or traceback.format_exc()
+        if len(schedules) == 1:
+            seconds = time.monotonic() - start
+            return [Outcome(schedules[0].seed, False, float("nan"), seconds, text)]
+        alone = [out for s in schedules for out in run_group([s], timeout)]
+        if not all(out.ok for out in alone):
+            return alone
+        named = re.search(r"fuzz schedule (\d+) raised", text)
+        blamed = {int(named.group(1))} if named else {s.seed for s in schedules}
+        seeds = [s.seed for s in schedules]
+        n = seeds[-1] - seeds[0] + 1
+        note = (
+            f"failed in one launch with seeds {seeds} (world size {world}) but passed alone, "
+            "so it depends on the schedules run before it in the same processes; rerun "
+            f"that launch with --seed {seeds[0]} --schedules {n} --group {n}:\n{text}"
+        )
+        for out in alone:
+            if out.seed in blamed:
+                out.ok, out.detail = False, note
+        return alone
+    outcomes = []
+    for k, s in enumerate(schedules):
+        ranks = [results[k] for results in by_rank]
+        begin = time.monotonic()
+        worst, bad = compare(s, ranks)
+        seconds = max(r["seconds"] for r in ranks) + time.monotonic() - begin
+        if len(schedules) == 1:
+            seconds = time.monotonic() - start
+        more = [f"... and {len(bad) - 8} more"] if len(bad) > 8 else []
+        outcomes.append(Outcome(s.seed, not bad, worst, seconds, "\n".join(bad[:8] + more)))
+    return outcomes
+
+
+def run_seeds(
+    seeds: Sequence[int],
+    world_sizes: Sequence[int] = WORLD_SIZES,
+    timeout: float = 60.0,
+    group: int = 20,
+) -> Iterator[tuple[Schedule, Outcome]]:
+    """Generate and run the schedules of ``seeds``, ``group`` seeds at a time; yield in order."""
+    for i in range(0, len(seeds), group):
+        schedules = [make_schedule(seed, world_sizes) for seed in seeds[i : i + group]]
+        outcomes: dict[int, Outcome] = {}
+        for world in sorted({s.world for s in schedules}):
+            for out in run_group([s for s in schedules if s.world == world], timeout):
+                outcomes[out.seed] = out
+        for s in schedules:
+            yield s, outcomes[s.seed]
+
+
+def _replay_command(seed: int, world_sizes: Sequence[int]) -> str:
+    cmd = f"python3 dev.py fuzz --replay {seed}"
+    if tuple(world_sizes) != WORLD_SIZES:
+        cmd += f" --world-sizes {','.join(map(str, world_sizes))}"
+    return cmd
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--schedules", type=int, default=50, help="schedules to run (default 50)")
+    parser.add_argument("--seed", type=int, default=0, help="the first schedule's seed (default 0)")
+    parser.add_argument("--replay", type=int, help="run the one schedule of this seed, described")
+    parser.add_argument(
+        "--world-sizes",
+        default=",".join(map(str, WORLD_SIZES)),
+        help="comma-separated world sizes to draw from (default 2,3); part of a schedule",
+    )
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per schedule")
+    parser.add_argument(
+        "--group", type=int, default=20, help="seeds per batch of launches (1: a launch each)"
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    world_sizes = tuple(int(w) for w in args.world_sizes.split(","))
+
+    if args.replay is not None:
+        s = make_schedule(args.replay, world_sizes)
+        print(s.describe(), flush=True)
+        [out] = run_group([s], args.timeout)
+        verdict = "PASS" if out.ok else "FAIL"
+        print(f"max abs error {out.error:.3g}, {out.seconds:.1f}s: {verdict}")
+        if out.detail:
+            print(out.detail)
+        return 0 if out.ok else 1
+
+    failed: list[Outcome] = []
+    coverage: Counter[str] = Counter()
+    start = time.monotonic()
+    seeds = range(args.seed, args.seed + args.schedules)
+    for s, out in run_seeds(seeds, world_sizes, args.timeout, max(1, args.group)):
+        coverage.update(s.features())
+        verdict = "PASS" if out.ok else "FAIL"
+        print(f"{s.seed:6d}  {s.short():<88s} err {out.error:7.2g} {out.seconds:5.1f}s  {verdict}")
+        if not out.ok:
+            failed.append(out)
+            print("        " + out.detail.replace("\n", "\n        "))
+        sys.stdout.flush()
+    took = time.monotonic() - start
+    print(f"\n{args.schedules - len(failed)} of {args.schedules} schedules passed in {took:.0f}s")
+    print("coverage: " + ", ".join(f"{k} {v}" for k, v in sorted(coverage.items())))
+    for out in failed:
+        print(f"FAILED seed {out.seed}: replay with {_replay_command(out.seed, world_sizes)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""A few fixed seeds of the engine fuzzer (``tests/fuzz_engine.py``), so that it keeps working.
+
+The fuzzer itself runs outside the suite: ``python3 dev.py fuzz --schedules 200``.
+"""
+
+from __future__ import annotations
+
+from fuzz_engine import make_schedule, run_seeds
+
+# Chosen for what they cover (checked below). World size 2: 1, static_graph, a comm hook
+# and BatchNorm buffers; 58, uneven join() with no_sync() and a rank-dependent branch; 89,
+# a layer frozen at wrapping and unfrozen, with a comm hook. World size 3: 60, a layer
+# unfrozen and frozen again under uneven join(), with no_sync() and a sparse embedding.
+SEEDS = (1, 58, 89, 60)
+
+
+def test_the_smoke_seeds_cover_the_main_features() -> None:
+    covered = set().union(*(make_schedule(seed).features() for seed in SEEDS))
+    needed = {"join", "uneven", "no_sync", "freeze_switch", "frozen_at_wrap", "hook", "world3"}
+    needed |= {"static_graph", "bn", "sparse", "branch", "find_unused_parameters", "no_view"}
+    assert needed <= covered, (
+        f"{sorted(needed - covered)} no longer covered: make_schedule changed, pick new seeds"
+    )
+
+
+def test_fuzz_schedules_match_one_process_on_the_global_batch() -> None:
+    failed = [
+        f"seed {s.seed} ({s.short()}):\n{out.detail}"
+        for s, out in run_seeds(SEEDS, group=len(SEEDS))
+        if not out.ok
+    ]
+    assert not failed, "\n".join(failed)
