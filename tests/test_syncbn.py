@@ -449,6 +449,67 @@ def test_powersgd_with_syncbatchnorm_trains_alike_on_every_rank():
         assert torch.equal(value, results[1]["state"][name]), name
 
 
+class _BranchNet(nn.Module):
+    """A layer after the BatchNorm that each rank runs or skips, step by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(6, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.branch = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = self.bn(self.inp(x))
+        if use_branch:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+# By step, whether ranks 0 and 1 run the branch.
+_BRANCH_STEPS = [(True, True), (True, False), (True, False), (False, True), (False, False)]
+
+
+def _branch_worker(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for engine in ("torch", "bucketddp"):
+        net = convert_sync_batchnorm(_BranchNet())
+        if engine == "torch":
+            # The ground truth: torch DDP, with the layer on a group of its own so that
+            # torch's bucket all-reduces cannot cross it either.
+            net = convert_sync_batchnorm(net, process_group=dist.new_group())
+            model: nn.Module = nn.parallel.DistributedDataParallel(
+                net, find_unused_parameters=True, bucket_cap_mb=1e-4
+            )
+        else:
+            # A bucket per parameter: the branch's bucket all-reduce comes before the
+            # layer's backward all-reduce on a rank that ran the branch, after it elsewhere.
+            model = BucketDataParallel(
+                net, find_unused_parameters=True, bucket_cap_mb=1e-4, first_bucket_mb=1e-4
+            )
+            assert net.bn.process_group is not None  # moved to a private group
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(rank)
+        for use in _BRANCH_STEPS:
+            loss = model(torch.randn(4, 6, generator=g), use[rank]).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[engine] = {k: v.clone() for k, v in revert_sync_batchnorm(net).state_dict().items()}
+    return out
+
+
+def test_a_layer_only_some_ranks_run_beside_syncbatchnorm_matches_torch_ddp():
+    # Before, the layer's all-reduce shared the wrapper's group: ranks issued it and the
+    # branch's bucket all-reduce in different orders, and gloo aborted ("Received data size
+    # doesn't match expected size"). torch DDP got through.
+    for rank, res in enumerate(run_ranks(_branch_worker, 2, timeout=60)):
+        for name, want in res["torch"].items():
+            got = res["bucketddp"][name]
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"{name} on {rank}")
+
+
 # ---------------------------------------------------------------- single process
 
 

@@ -178,6 +178,11 @@ class BucketDataParallel(nn.Module, Joinable):
             "static_graph": static_graph,
         }
         self.reducer = self._new_reducer()
+        if find_unused_parameters and dist.get_world_size(process_group) > 1:
+            # The ranks may run different layers in a step, so a bucket's all-reduce starts
+            # at a different point of each rank's backward and could cross a SyncBatchNorm
+            # layer's all-reduce on the same group: those layers move to a private one.
+            separate_group(module, process_group)
         # torch DDP's rule: buffers are synced before a forward that follows a synced,
         # grad-enabled forward (and before the very first one).
         self._sync_buffers_next = True
