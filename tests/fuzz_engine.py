@@ -4,8 +4,8 @@
 Each *schedule* is a pure function of one integer seed (``random.Random(seed)``): a world
 size, a small model put together from building blocks, engine options, and 2-5 training
 steps. The schedule trains on real gloo ranks (``tests/multirank.py``), and every rank's
-parameters after every step it trains, its final parameters and its final buffers are
-compared with one process that trains the same model on the global batch:
+parameters and buffers after every step it trains, and at the end, are compared with one
+process that trains the same model on the global batch:
 
 - **Gradients.** Each step, every rank still training adds its loss, divided by the world
   size (or, under ``join(divide_by_initial_world_size=False)`` without a communication hook,
@@ -13,16 +13,35 @@ compared with one process that trains the same model on the global batch:
   BatchNorm sees each rank's batch as the rank does. ``no_sync()`` micro-batches accumulate
   the same way. SGD with momentum 0.9 then steps, and ``zero_grad`` uses the step's
   ``set_to_none``. A parameter that no rank uses keeps its ``.grad``, in both systems.
-- **Buffers** (BatchNorm's). The reference keeps each rank's buffers and applies the
-  documented policy: with ``broadcast_buffers`` on, every rank takes rank 0's values
-  (under ``join()``: the highest rank still training) before the first forward and before
-  each forward that follows a synced one; at the end of ``join()`` every rank takes those
-  of the highest rank that trained last. With it off, each rank keeps its own.
+- **Buffers** (BatchNorm's, and those of an optional ``Stats`` block that counts samples
+  and tokens, accumulates, keeps an EMA, a running maximum and minimum, a per-rank value,
+  a value for a custom policy and two flags, all updated in forward and read by it). Each
+  rank starts from its own values (rank-dependent, set before wrapping). The policies come
+  from ``buffer_sync`` rules (exact names and fnmatch patterns, including the custom
+  functions ``median_of_ranks`` and ``weighted_mean_of_ranks``), ``default_buffer_policy``,
+  ``broadcast_buffers``/``forward_sync_buffers`` and SyncBatchNorm's own ``"none"``. The
+  reference resolves them by docs/buffers.md's precedence itself, keeps each rank's
+  buffers, and applies docs/buffers.md's semantics: at wrapping every buffer but the
+  rank-local ``"none"`` ones takes rank 0's value; before the first forward and before
+  each forward that follows a synced one, ``"broadcast"`` takes rank 0's values (under
+  ``join()``: the highest rank still training), ``"mean"``/``"max"``/``"min"`` reduce over
+  the ranks still training, ``"sum"`` adds every rank's change since the last agreed value
+  to it, and a custom function sees every rank's buffer; at the end of ``join()`` the
+  ``"broadcast"`` buffers take the values of the highest rank that trained last. Every
+  rank's buffers are compared after each step it trains and at the end.
+- **SyncBatchNorm** (``convert_sync_batchnorm`` on the BatchNorm layer). The reference runs
+  the input layer and plain BatchNorm on the concatenation of the ranks' batches, once per
+  rank's running statistics, then the rest of the model on each rank's share, and one
+  backward through the sum of the losses.
 
-Only combinations docs/engine.md documents as supported are generated: ``static_graph``
-only for a static graph (no rank-dependent branch, no freezing, no ``join()``, no sparse
-embedding), no communication hook with a sparse embedding, and freezing or unfreezing only
-before a step every rank trains.
+Only combinations the docs document as supported are generated: ``static_graph`` only for
+a static graph (no rank-dependent branch, no freezing, no ``join()``, no sparse embedding),
+no communication hook with a sparse embedding, freezing or unfreezing only before a step
+every rank trains, SyncBatchNorm never under ``join()``, ``"sum"`` only on buffers that
+are only added to, and a policy only on a dtype docs/buffers.md allows it for.
+The buffer features are drawn from a random stream of their own
+(``random.Random(f"{seed}/buffers")``), so the rest of a seed's schedule is what it was
+before they were added.
 
 Usage (``python3 dev.py fuzz ...`` runs it in the project's venv)::
 
@@ -41,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import gc
 import random
 import re
@@ -53,11 +73,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from bucketddp import BucketDataParallel
+from bucketddp.syncbn import convert_sync_batchnorm
 from multirank import run_ranks
 
 IN, OUT, VOCAB, TOKENS = 6, 3, 11, 3
@@ -65,6 +87,85 @@ LR, MOMENTUM = 0.05, 0.9
 RTOL = ATOL = 1e-5
 TINY_MB = (0.0001, 0.0002, 0.001)  # a few parameters per bucket, or one each
 WORLD_SIZES = (2, 3)
+
+# The buffers a schedule's model may have, with their kind: "count" (an integer only added
+# to), "acc" (a float only added to), "state" (a float that is rewritten), "flag" (bool).
+BN_BUFFERS = (
+    ("bn.running_mean", "state"),
+    ("bn.running_var", "state"),
+    ("bn.num_batches_tracked", "count"),
+)
+STATS_BUFFERS = (
+    ("stats.seen", "count"),  # samples seen
+    ("stats.tokens", "count"),  # occurrences of each token
+    ("stats.mass", "acc"),  # sum of |activation|
+    ("stats.ema", "state"),  # EMA of the mean activation
+    ("stats.hi", "state"),  # running maximum
+    ("stats.lo", "state"),  # running minimum
+    ("stats.own", "state"),  # a per-rank decaying sum
+    ("stats.med", "state"),  # an EMA for a custom policy
+    ("stats.any_big", "flag"),  # an input feature above FLAG_AT in any batch
+    ("stats.all_small", "flag"),  # an input feature below FLAG_AT in every batch
+)
+FLAG_AT = 2.0
+# The policies docs/buffers.md allows for each kind: no "mean" of integers or flags, no
+# "sum" of flags or of a buffer not written by adding to it; the custom functions on floats.
+ALLOWED = {
+    "count": ("sum", "max", "min", "broadcast", "none"),
+    "acc": ("sum", "mean", "max", "min", "broadcast", "none", "median", "wmean"),
+    "state": ("mean", "max", "min", "broadcast", "none", "median", "wmean"),
+    "flag": ("max", "min", "broadcast", "none"),
+}
+NATURAL = {
+    "bn.running_mean": "mean",
+    "bn.running_var": "mean",
+    "bn.num_batches_tracked": "max",
+    "stats.seen": "sum",
+    "stats.tokens": "sum",
+    "stats.mass": "sum",
+    "stats.ema": "mean",
+    "stats.hi": "max",
+    "stats.lo": "min",
+    "stats.own": "none",
+    "stats.med": "median",
+    "stats.any_big": "max",
+    "stats.all_small": "min",
+}
+PATTERNS = (
+    "*",
+    "stats.*",
+    "bn.*",
+    "bn.running_*",
+    "*num_batches_tracked",
+    "stats.[hl][io]",
+    "*_*",
+    "stats.m*",
+    "*s",
+)
+ANY_POLICY = ("broadcast", "mean", "sum", "max", "min", "none", "median", "wmean")
+
+
+def median_of_ranks(buf: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """A custom buffer policy that returns its value: the elementwise median over ranks."""
+    gathered = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, buf, group=group)
+    return torch.stack(gathered).median(dim=0).values
+
+
+def weighted_mean_of_ranks(buf: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """A custom buffer policy that edits in place: the mean over ranks, rank r weighing r+1."""
+    gathered = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, buf, group=group)
+    buf.copy_(_weighted_mean(gathered))
+
+
+def _weighted_mean(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    weights = [float(r + 1) for r in range(len(values))]
+    total = sum((w * v for w, v in zip(weights, values, strict=True)), torch.zeros_like(values[0]))
+    return total / sum(weights)
+
+
+CUSTOM = {"median": median_of_ranks, "wmean": weighted_mean_of_ranks}
 
 
 @dataclass(frozen=True)
@@ -119,6 +220,34 @@ class Schedule:
     freeze: str | None
     """The module whose parameters are frozen and unfrozen (on every rank alike)."""
     steps: tuple[Step, ...]
+    stats: bool = False
+    """A ``Stats`` block: buffers updated and read in forward (``STATS_BUFFERS``)."""
+    reassign: bool = False
+    """The Stats block writes its counters and accumulator by reassignment, not in place."""
+    syncbn: bool = False
+    """The BatchNorm layer is converted with ``convert_sync_batchnorm``."""
+    buffer_rules: tuple[tuple[str, str], ...] = ()
+    """``buffer_sync``, in its order; custom policies by their ``CUSTOM`` name."""
+    default_policy: str | None = None
+    """``default_buffer_policy``, if given."""
+
+    def buffer_policies(self) -> dict[str, tuple[str, bool]]:
+        """Each buffer's policy and whether it is rank-local, by docs/buffers.md's rules.
+
+        Precedence: an exact name in ``buffer_sync``, then its first matching pattern, then
+        the owning module's default (SyncBatchNorm: ``"none"``), then ``default_buffer_policy``
+        (``"broadcast"``, or ``"none"`` when ``broadcast_buffers`` or ``forward_sync_buffers``
+        is False). A ``"none"`` is rank-local (kept from each rank at wrapping) if a rule
+        gave it, or the default did while ``forward_sync_buffers`` was not given.
+        """
+        return resolve_buffers(
+            [n for n, _ in buffer_table(self.bn, self.stats)],
+            self.buffer_rules,
+            self.default_policy,
+            self.options["broadcast_buffers"],
+            self.options.get("forward_sync_buffers"),
+            self.syncbn,
+        )
 
     def features(self) -> set[str]:
         """Short tags of what the schedule exercises (for coverage counts and test picks)."""
@@ -145,6 +274,19 @@ class Schedule:
             tags.add("freeze_switch")
         if self.freeze is not None and not self.steps[0].target_trains:
             tags.add("frozen_at_wrap")
+        tags |= {n for n in ("stats", "reassign", "syncbn") if getattr(self, n)}
+        if self.buffer_rules:
+            tags.add("buffer_rules")
+        if any(k not in dict(buffer_table(self.bn, self.stats)) for k, _ in self.buffer_rules):
+            tags.add("buffer_pattern")
+        if self.default_policy is not None:
+            tags.add("default_policy")
+        if self.options.get("forward_sync_buffers") is not None:
+            tags.add("forward_sync")
+        for policy, local in self.buffer_policies().values():
+            tags.add("p_custom" if policy in CUSTOM else f"p_{policy}")
+            if local:
+                tags.add("rank_local")
         return tags
 
     def short(self) -> str:
@@ -155,6 +297,10 @@ class Schedule:
         ]
         if self.sparse_branch:
             blocks[blocks.index("sparse")] = "sparse(some)"
+        if self.syncbn:
+            blocks[blocks.index("bn")] = "syncbn"
+        if self.stats:
+            blocks.append("stats(re)" if self.reassign else "stats")
         o = self.options
         cap, first = o["bucket_cap_mb"], o["first_bucket_mb"]
         engine = [f"cap={'-' if cap is None else f'{cap:g}'}"]
@@ -165,6 +311,12 @@ class Schedule:
         if o["static_graph"]:
             engine.append("static")
         engine.append(f"bb={o['broadcast_buffers']}")
+        if o.get("forward_sync_buffers") is not None:
+            engine.append(f"fsb={o['forward_sync_buffers']}")
+        if self.default_policy is not None:
+            engine.append(f"def={self.default_policy}")
+        if self.buffer_rules:
+            engine.append(f"rules={len(self.buffer_rules)}")
         if self.hook:
             engine.append("hook")
         steps = []
@@ -185,8 +337,11 @@ class Schedule:
         lines = [f"schedule {self.seed}: world size {self.world}"]
         parts = [f"inp Linear({IN}, {self.width})"]
         if self.bn:
-            parts.append(f"bn BatchNorm1d({self.width})")
+            parts.append(f"bn {'SyncBatchNorm' if self.syncbn else 'BatchNorm1d'}({self.width})")
         parts += [f"trunk.{i} Linear({self.width}, {self.width})" for i in range(self.depth)]
+        if self.stats:
+            how = "reassigned" if self.reassign else "in place"
+            parts.append(f"stats Stats({self.width}) (counters written {how})")
         if self.tied:
             parts.append(f"emb Embedding({VOCAB}, {self.width}) tied to out Linear(.., {VOCAB})")
         if self.sparse:
@@ -202,7 +357,17 @@ class Schedule:
         lines.append("  model: " + "; ".join(parts))
         lines.append(f"  batch sizes by rank: {list(self.batch_sizes)}")
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        if self.buffer_rules:
+            opts += f", buffer_sync={dict(self.buffer_rules)!r}"
+        if self.default_policy is not None:
+            opts += f", default_buffer_policy={self.default_policy!r}"
         lines.append(f"  BucketDataParallel({opts})")
+        if self.bn or self.stats:
+            resolved = [
+                f"{n}={p}{' (rank-local)' if local else ''}"
+                for n, (p, local) in self.buffer_policies().items()
+            ]
+            lines.append(f"  buffer policies: {', '.join(resolved)}")
         if self.hook:
             lines.append("  register_comm_hook(None, default_hooks.allreduce_hook)")
         if self.join:
@@ -228,6 +393,90 @@ class Schedule:
             text += f", zero_grad(set_to_none={s.set_to_none})"
             lines.append(text)
         return "\n".join(lines)
+
+
+def buffer_table(bn: bool, stats: bool) -> list[tuple[str, str]]:
+    """The model's buffers and their kinds (see ``ALLOWED``)."""
+    return [*(BN_BUFFERS if bn else ()), *(STATS_BUFFERS if stats else ())]
+
+
+def resolve_buffers(
+    names: Sequence[str],
+    rules: Sequence[tuple[str, str]],
+    default: str | None,
+    broadcast: bool | None,
+    forward_sync: bool | None,
+    syncbn: bool,
+) -> dict[str, tuple[str, bool]]:
+    """Each buffer's policy and whether it is rank-local (``Schedule.buffer_policies``)."""
+    exact = dict(rules)
+    switch = forward_sync if forward_sync is not None else broadcast
+    if default is None:
+        default = "none" if switch is False else "broadcast"
+    policies = {}
+    for name in names:
+        ruled = exact.get(name)
+        if ruled is None:
+            ruled = next((p for k, p in rules if fnmatch.fnmatchcase(name, k)), None)
+        if ruled is not None:
+            policies[name] = (ruled, ruled == "none")
+        elif syncbn and name.startswith("bn."):
+            policies[name] = ("none", False)  # SyncBatchNorm's own default: not rank-local
+        else:
+            policies[name] = (default, default == "none" and forward_sync is None)
+    return policies
+
+
+def draw_buffers(
+    seed: int, bn: bool, join: bool, branch: bool, hook: bool, broadcast: bool | None
+) -> dict[str, Any]:
+    """The buffer features of ``seed``'s schedule, from a random stream of their own.
+
+    Returns the ``Schedule`` fields ``stats``, ``reassign``, ``syncbn``, ``buffer_rules``,
+    ``default_policy`` and ``forward_sync`` (``forward_sync_buffers``, or None).
+    """
+    rng = random.Random(f"{seed}/buffers")
+    stats = rng.random() < 0.5
+    reassign = stats and rng.random() < 0.3
+    # SyncBatchNorm is refused under join() (docs/engine.md, "Uneven inputs"). Beside the
+    # rank-dependent branch it found a defect, fixed since (seeds 61, 302 and 538).
+    syncbn = rng.random() < 0.5 and bn and not join
+    forward_sync = None
+    if rng.random() < 0.25:  # given alone, or together with broadcast_buffers (must agree)
+        forward_sync = rng.random() < 0.5 if broadcast is None else broadcast
+    switch = forward_sync if forward_sync is not None else broadcast
+    table = buffer_table(bn, stats)
+    default = None
+    rules: list[tuple[str, str]] = []
+    if table and rng.random() < 0.35:
+        # A switch set to False means "none"; one set to True refuses "none".
+        choices = [p for p in ANY_POLICY if p != "wmean" and (switch is None or p != "none")]
+        default = "none" if switch is False else rng.choice(choices)
+    if table and (stats or rng.random() < 0.5):
+        names = [n for n, _ in table]
+        # A key that matches no buffer is refused: only patterns that match one.
+        patterns = [k for k in PATTERNS if any(fnmatch.fnmatchcase(n, k) for n in names)]
+        rules = [(k, rng.choice(ANY_POLICY)) for k in rng.sample(patterns, rng.randint(0, 2))]
+        for name, kind in table:
+            if rng.random() < 0.4:
+                policy = NATURAL[name] if rng.random() < 0.5 else rng.choice(ALLOWED[kind])
+                rules.insert(rng.randint(0, len(rules)), (name, policy))
+    # A buffer left with a policy its kind does not allow gets its natural one by exact
+    # name, which beats every pattern and the defaults.
+    resolved = resolve_buffers(
+        [n for n, _ in table], rules, default, broadcast, forward_sync, syncbn
+    )
+    for name, kind in table:
+        if resolved[name][0] not in ALLOWED[kind]:
+            rules.append((name, NATURAL[name]))
+    return {
+        "stats": stats,
+        "reassign": reassign,
+        "syncbn": syncbn,
+        "buffer_rules": tuple(rules),
+        "default_policy": default,
+        "forward_sync": forward_sync,
+    }
 
 
 def make_schedule(seed: int, world_sizes: Sequence[int] = WORLD_SIZES) -> Schedule:
@@ -268,7 +517,7 @@ def make_schedule(seed: int, world_sizes: Sequence[int] = WORLD_SIZES) -> Schedu
     must_find = branch or sparse_branch or (spare and not static)
     cap = rng.choice([None, 25.0, *TINY_MB])
     first = rng.choice([None, rng.choice(TINY_MB), cap])
-    options = {
+    options: dict[str, Any] = {
         "bucket_cap_mb": cap,
         "first_bucket_mb": first,
         "gradient_as_bucket_view": rng.random() < 0.5,
@@ -290,6 +539,10 @@ def make_schedule(seed: int, world_sizes: Sequence[int] = WORLD_SIZES) -> Schedu
             for _ in range(micro)
         )
         steps.append(Step(micro, rng.random() < 0.7, trains, table, lookup))
+    buffers = draw_buffers(seed, bn, join, branch, hook, options["broadcast_buffers"])
+    forward_sync = buffers.pop("forward_sync")
+    if forward_sync is not None:
+        options["forward_sync_buffers"] = forward_sync
     return Schedule(
         seed=seed,
         world=world,
@@ -310,7 +563,61 @@ def make_schedule(seed: int, world_sizes: Sequence[int] = WORLD_SIZES) -> Schedu
         batches=tuple(batches),
         freeze=freeze,
         steps=tuple(steps),
+        **buffers,
     )
+
+
+class Stats(nn.Module):
+    """Buffers that forward updates from the batch and reads (``STATS_BUFFERS``).
+
+    The output depends on the float buffers, so a buffer synced wrongly shows in the
+    parameters too. Counters and flags depend on the inputs alone, so they are exact.
+    """
+
+    def __init__(self, width: int, reassign: bool) -> None:
+        super().__init__()
+        self.reassign = reassign
+        self.seen: torch.Tensor
+        self.tokens: torch.Tensor
+        self.mass: torch.Tensor
+        self.ema: torch.Tensor
+        self.hi: torch.Tensor
+        self.lo: torch.Tensor
+        self.own: torch.Tensor
+        self.med: torch.Tensor
+        self.any_big: torch.Tensor
+        self.all_small: torch.Tensor
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("tokens", torch.zeros(VOCAB, dtype=torch.long))
+        self.register_buffer("mass", torch.zeros(width))
+        self.register_buffer("ema", torch.zeros(width))
+        self.register_buffer("hi", torch.full((width,), -0.5))
+        self.register_buffer("lo", torch.full((width,), 0.5))
+        self.register_buffer("own", torch.zeros(width))
+        self.register_buffer("med", torch.zeros(width))
+        self.register_buffer("any_big", torch.zeros(IN, dtype=torch.bool))
+        self.register_buffer("all_small", torch.ones(IN, dtype=torch.bool))
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        out = h + 0.1 * torch.tanh(self.ema + self.own - self.med) + 0.05 * (self.hi + self.lo)
+        with torch.no_grad():
+            a = h.detach()
+            n = torch.tensor(x.shape[0], dtype=torch.long)
+            if self.reassign:
+                self.seen = self.seen + n
+                self.mass = self.mass + a.abs().sum(0)
+            else:
+                self.seen.add_(n)
+                self.mass.add_(a.abs().sum(0))
+            self.tokens.add_(torch.bincount(tokens.flatten(), minlength=VOCAB))
+            self.ema.mul_(0.8).add_(a.mean(0), alpha=0.2)
+            self.hi.copy_(torch.maximum(self.hi, a.amax(0)))
+            self.lo.copy_(torch.minimum(self.lo, a.amin(0)))
+            self.own.mul_(0.5).add_(a.mean(0))
+            self.med.mul_(0.7).add_(a.mean(0) - a.amin(0), alpha=0.3)
+            self.any_big |= (x.abs() > FLAG_AT).any(0)
+            self.all_small &= (x.abs() < FLAG_AT).all(0)
+        return out
 
 
 class FuzzNet(nn.Module):
@@ -322,6 +629,7 @@ class FuzzNet(nn.Module):
         self.inp = nn.Linear(IN, w)
         self.bn = nn.BatchNorm1d(w) if s.bn else None
         self.trunk = nn.ModuleList(nn.Linear(w, w) for _ in range(s.depth))
+        self.stats = Stats(w, s.reassign) if s.stats else None
         self.emb = nn.Embedding(VOCAB, w) if s.tied else None
         self.out = nn.Linear(w, VOCAB, bias=False) if s.tied else None
         if self.out is not None and self.emb is not None:
@@ -335,12 +643,29 @@ class FuzzNet(nn.Module):
     def forward(
         self, x: torch.Tensor, tokens: torch.Tensor, use_branch: bool, use_lookup: bool
     ) -> tuple[torch.Tensor, ...]:
+        return self.rest(self.front(x), x, tokens, use_branch, use_lookup)
+
+    def front(self, x: torch.Tensor) -> torch.Tensor:
+        """The input layer and BatchNorm: the part the SyncBatchNorm reference runs globally."""
         h = self.inp(x)
         if self.bn is not None:
             h = self.bn(h)
+        return h
+
+    def rest(
+        self,
+        h: torch.Tensor,
+        x: torch.Tensor,
+        tokens: torch.Tensor,
+        use_branch: bool,
+        use_lookup: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        """Everything after ``front``."""
         h = torch.tanh(h)
         for layer in self.trunk:
             h = torch.tanh(layer(h))
+        if self.stats is not None:
+            h = self.stats(x, tokens, h)
         if self.emb is not None:
             h = h + self.emb(tokens).mean(dim=1)
         if self.lookup is not None and use_lookup:
@@ -396,14 +721,42 @@ def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: b.detach().clone() for n, b in model.named_buffers()}
 
 
+def _rank_values(values: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """Buffer values as rank ``rank`` has them before wrapping: each rank's differ."""
+    out = {}
+    for name, b in values.items():
+        if b.dtype == torch.bool:
+            out[name] = b ^ (rank % 2 == 1)
+        elif b.is_floating_point():
+            out[name] = b + 0.05 * rank
+        else:
+            out[name] = b + rank
+    return out
+
+
+def wrapper_options(s: Schedule) -> dict[str, Any]:
+    """The keyword arguments of ``BucketDataParallel``: the options and the buffer policies."""
+    kwargs = dict(s.options)
+    if s.buffer_rules:
+        kwargs["buffer_sync"] = {k: CUSTOM.get(p, p) for k, p in s.buffer_rules}
+    if s.default_policy is not None:
+        kwargs["default_buffer_policy"] = CUSTOM.get(s.default_policy, s.default_policy)
+    return kwargs
+
+
 def train_rank(rank: int, world: int, s: Schedule) -> dict[str, Any]:
     """Run the schedule through ``BucketDataParallel`` on this rank (a ``run_ranks`` target)."""
     model = build_model(s)
-    wrapped = BucketDataParallel(model, **s.options)
+    if s.syncbn:
+        convert_sync_batchnorm(model)
+    with torch.no_grad():
+        for name, value in _rank_values(_buffers(model), rank).items():
+            model.get_buffer(name).copy_(value)
+    wrapped = BucketDataParallel(model, **wrapper_options(s))
     if s.hook:
         wrapped.register_comm_hook(None, allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    snapshots = []
+    snapshots, buffer_snapshots = [], []
     # Only build the Join when it is used: torch's Join() switches its joinables' join
     # mode on as soon as it is constructed, entered or not.
     joined = wrapped.join(divide_by_initial_world_size=s.by_initial) if s.join else None
@@ -420,11 +773,18 @@ def train_rank(rank: int, world: int, s: Schedule) -> dict[str, Any]:
             opt.step()
             opt.zero_grad(set_to_none=step.set_to_none)
             snapshots.append(_params(model))
-    return {"steps": snapshots, "params": _params(model), "buffers": _buffers(model)}
+            buffer_snapshots.append(_buffers(model))
+    return {
+        "steps": snapshots,
+        "step_buffers": buffer_snapshots,
+        "params": _params(model),
+        "buffers": _buffers(model),
+    }
 
 
 def reference(s: Schedule, precise: bool = False) -> dict[str, Any]:
-    """One process on the global batch: per-step parameters, final parameters, buffers by rank.
+    """One process on the global batch: parameters after each step and at the end, buffers
+    by rank after each step and at the end.
 
     ``precise`` trains in float64 throughout; the difference from the float32 run tells how
     far float rounding alone moves each tensor (see ``compare``).
@@ -433,10 +793,20 @@ def reference(s: Schedule, precise: bool = False) -> dict[str, Any]:
     if precise:
         model.double()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    broadcast = s.options["broadcast_buffers"] is not False
-    rank_buffers = [_buffers(model) for _ in range(s.world)]
+    policies = s.buffer_policies()
+    start = _buffers(model)
+    if start.keys() != policies.keys():
+        raise AssertionError(f"buffers {sorted(start)} but policies for {sorted(policies)}")
+    # At wrapping every buffer takes rank 0's value, except the rank-local "none" ones.
+    rank_buffers = [_rank_values(start, r) for r in range(s.world)]
+    for name, (_, local) in policies.items():
+        for r in range(1, s.world):
+            if not local:
+                rank_buffers[r][name] = rank_buffers[0][name].clone()
+    # "sum": the value every rank last agreed on.
+    agreed = {n: rank_buffers[0][n].clone() for n, (p, _) in policies.items() if p == "sum"}
     sync_next = True  # before the first forward, and after each synced one
-    snapshots = []
+    snapshots, buffer_snapshots = [], []
     for i, step in enumerate(s.steps):
         training = [r for r in range(s.world) if s.batches[r] > i]
         # A communication hook divides by itself (allreduce_hook: by the group's size).
@@ -444,33 +814,130 @@ def reference(s: Schedule, precise: bool = False) -> dict[str, Any]:
         divisor = s.world if by_world else len(training)
         set_target(model, s, step.target_trains)
         for m in range(step.micro):
-            if sync_next and broadcast:
+            if sync_next:
+                # Under join() "broadcast" takes the highest rank still training.
                 src = training[-1] if s.join else 0
-                rank_buffers = [
-                    {n: b.clone() for n, b in rank_buffers[src].items()} for _ in range(s.world)
-                ]
+                _sync_reference(policies, rank_buffers, agreed, training, src)
+            inputs = {}
             for r in training:
-                _load_buffers(model, rank_buffers[r])
                 x, tokens, y, labels = batch(s, i, m, r)
                 if precise:
                     x, y = x.double(), y.double()
-                out = model(x, tokens, step.branch[m][r], step.lookup[m][r])
-                (loss_of(out, y, labels) / divisor).backward()
-                rank_buffers[r] = _buffers(model)
+                inputs[r] = (x, tokens, y, labels)
+            if s.syncbn:
+                _global_bn_step(model, s, step, m, inputs, rank_buffers, divisor)
+            else:
+                for r in training:
+                    x, tokens, y, labels = inputs[r]
+                    _load_buffers(model, rank_buffers[r])
+                    out = model(x, tokens, step.branch[m][r], step.lookup[m][r])
+                    (loss_of(out, y, labels) / divisor).backward()
+                    rank_buffers[r] = _buffers(model)
             sync_next = m == step.micro - 1
         opt.step()
         opt.zero_grad(set_to_none=step.set_to_none)
         snapshots.append(_params(model))
-    if s.join and broadcast:
+        buffer_snapshots.append([dict(b) for b in rank_buffers])
+    if s.join:
+        # At the end of join(), "broadcast" buffers take a last joiner's values.
         last = max(r for r in range(s.world) if s.batches[r] == len(s.steps))
-        rank_buffers = [rank_buffers[last] for _ in range(s.world)]
-    return {"steps": snapshots, "params": _params(model), "buffers": rank_buffers}
+        for name, (policy, _) in policies.items():
+            if policy == "broadcast":
+                for r in range(s.world):
+                    rank_buffers[r][name] = rank_buffers[last][name]
+    return {
+        "steps": snapshots,
+        "step_buffers": buffer_snapshots,
+        "params": _params(model),
+        "buffers": rank_buffers,
+    }
+
+
+def _sync_reference(
+    policies: dict[str, tuple[str, bool]],
+    rank_buffers: list[dict[str, torch.Tensor]],
+    agreed: dict[str, torch.Tensor],
+    training: Sequence[int],
+    src: int,
+) -> None:
+    """One buffer sync as docs/buffers.md describes it, on every rank's values in place."""
+    world = len(rank_buffers)
+    for name, (policy, _) in policies.items():
+        if policy == "none":
+            continue
+        values = [b[name] for b in rank_buffers]
+        live = torch.stack([values[r] for r in training])
+        if policy == "broadcast":
+            new = [values[src]] * world
+        elif policy == "sum":
+            # Every rank's change since the last agreed value, including a joined rank's.
+            base = agreed[name]
+            total = base + torch.stack([v - base for v in values]).sum(0)
+            agreed[name] = total
+            new = [total] * world
+        elif policy == "mean":
+            new = [live.sum(0) / len(training)] * world
+        elif policy == "max":
+            new = [live.any(0) if live.dtype == torch.bool else live.amax(0)] * world
+        elif policy == "min":
+            new = [live.all(0) if live.dtype == torch.bool else live.amin(0)] * world
+        elif policy == "median":  # median_of_ranks, on every rank's buffer (joined or not)
+            new = [torch.stack(values).median(dim=0).values] * world
+        elif policy == "wmean":  # weighted_mean_of_ranks, likewise
+            new = [_weighted_mean(values)] * world
+        else:
+            raise AssertionError(f"no reference for buffer policy {policy!r}")
+        for r in range(world):
+            rank_buffers[r][name] = new[r].clone()
+
+
+def _global_bn_step(
+    model: FuzzNet,
+    s: Schedule,
+    step: Step,
+    m: int,
+    inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+    rank_buffers: list[dict[str, torch.Tensor]],
+    divisor: int,
+) -> None:
+    """One forward and backward of every rank with SyncBatchNorm, as one process would.
+
+    BatchNorm sees the concatenation of the ranks' batches: its output (batch statistics)
+    is the same whatever running statistics it holds, so it runs once with autograd, and
+    once more per other rank, without, to update that rank's running statistics from the
+    global batch. The rest of the model runs on each rank's share with that rank's buffers,
+    and one backward goes through the sum of the ranks' losses.
+    """
+    assert model.bn is not None
+    ranks = list(inputs)
+    h = model.inp(torch.cat([inputs[r][0] for r in ranks]))
+    normed: torch.Tensor | None = None
+    for r in ranks:
+        _load_buffers(model, rank_buffers[r])
+        if normed is None:
+            normed = model.bn(h)
+        else:
+            with torch.no_grad():
+                model.bn(h.detach())
+        rank_buffers[r] = _buffers(model)
+    assert normed is not None
+    total = torch.zeros((), dtype=normed.dtype)
+    shares = normed.split([inputs[r][0].shape[0] for r in ranks])
+    for r, share in zip(ranks, shares, strict=True):
+        x, tokens, y, labels = inputs[r]
+        _load_buffers(model, rank_buffers[r])
+        out = model.rest(share, x, tokens, step.branch[m][r], step.lookup[m][r])
+        total = total + loss_of(out, y, labels) / divisor
+        rank_buffers[r] = _buffers(model)
+    total.backward()
 
 
 def _load_buffers(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            b.copy_(values[n])
+    """Give the model's buffers these values, as new tensors: a tensor that a forward saved
+    for its backward (BatchNorm's running statistics) is left as it was."""
+    for name, value in values.items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = value.detach().clone()
 
 
 @dataclass
@@ -489,12 +956,12 @@ class Outcome:
 def compare(s: Schedule, ranks: Sequence[dict[str, Any]]) -> tuple[float, list[str]]:
     """The largest difference from the reference, and a line per tensor out of tolerance.
 
-    Every rank's parameters after each step it trained, its final parameters and its final
-    buffers must be within ``ATOL + RTOL * |reference|`` of the float32 reference, plus four
-    times the largest difference between the float32 and the float64 reference in that
-    tensor. The last term is float rounding, which an ill-conditioned schedule (a BatchNorm
-    over a few samples) amplifies over the steps in any two float32 runs; it is zero for
-    most tensors.
+    Every rank's parameters and buffers after each step it trained, and its final
+    parameters and buffers, must be within ``ATOL + RTOL * |reference|`` of the float32
+    reference, plus four times the largest difference between the float32 and the float64
+    reference in that tensor. The last term is float rounding, which an ill-conditioned
+    schedule (a BatchNorm over a few samples) amplifies over the steps in any two float32
+    runs; it is zero for most tensors.
     """
     want, exact = reference(s), reference(s, precise=True)
     worst, bad = 0.0, []
@@ -527,6 +994,9 @@ def compare(s: Schedule, ranks: Sequence[dict[str, Any]]) -> tuple[float, list[s
     for rank, got in enumerate(ranks):
         for i, params in enumerate(got["steps"]):
             check(params, want["steps"][i], exact["steps"][i], f"rank {rank} after step {i}")
+        for i, bufs in enumerate(got["step_buffers"]):
+            where = f"rank {rank} buffers after step {i}"
+            check(bufs, want["step_buffers"][i][rank], exact["step_buffers"][i][rank], where)
         check(got["params"], want["params"], exact["params"], f"rank {rank} final")
         where = f"rank {rank} final buffers"
         check(got["buffers"], want["buffers"][rank], exact["buffers"][rank], where)

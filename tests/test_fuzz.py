@@ -7,17 +7,22 @@ from __future__ import annotations
 
 from fuzz_engine import make_schedule, run_seeds
 
-# Chosen for what they cover (checked below). World size 2: 1, static_graph, a comm hook
-# and BatchNorm buffers; 58, uneven join() with no_sync() and a rank-dependent branch; 89,
-# a layer frozen at wrapping and unfrozen, with a comm hook. World size 3: 60, a layer
-# unfrozen and frozen again under uneven join(), with no_sync() and a sparse embedding.
-SEEDS = (1, 58, 89, 60)
+# Chosen for what they cover (checked below). World size 2: 1, static_graph, a comm hook,
+# SyncBatchNorm and a Stats block under nine buffer rules (exact and patterns) and a
+# default policy; 58, uneven join() with no_sync(), a rank-dependent branch and a custom
+# default policy on BatchNorm; 89, a layer frozen at wrapping and unfrozen, with a comm hook
+# and SyncBatchNorm. World size 3: 60, a layer unfrozen and frozen again under uneven join(),
+# with no_sync(), a sparse embedding and every buffer policy; 205, the ranks finishing one
+# after another under join(), with forward_sync_buffers=False and a "*" rule.
+SEEDS = (1, 58, 89, 60, 205)
 
 
 def test_the_smoke_seeds_cover_the_main_features() -> None:
     covered = set().union(*(make_schedule(seed).features() for seed in SEEDS))
     needed = {"join", "uneven", "no_sync", "freeze_switch", "frozen_at_wrap", "hook", "world3"}
     needed |= {"static_graph", "bn", "sparse", "branch", "find_unused_parameters", "no_view"}
+    needed |= {"stats", "syncbn", "buffer_pattern", "default_policy", "forward_sync"}
+    needed |= {"p_sum", "p_mean", "p_max", "p_min", "p_none", "p_custom", "rank_local"}
     assert needed <= covered, (
         f"{sorted(needed - covered)} no longer covered: make_schedule changed, pick new seeds"
     )
