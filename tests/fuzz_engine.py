@@ -145,18 +145,20 @@ PATTERNS = (
 ANY_POLICY = ("broadcast", "mean", "sum", "max", "min", "none", "median", "wmean")
 
 
-def median_of_ranks(buf: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """A custom buffer policy that returns its value: the elementwise median over ranks."""
+def _gathered(buf: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     gathered = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, buf, group=group)
-    return torch.stack(gathered).median(dim=0).values
+    return gathered
+
+
+def median_of_ranks(buf: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """A custom buffer policy that returns its value: the elementwise median over ranks."""
+    return torch.stack(_gathered(buf, group)).median(dim=0).values
 
 
 def weighted_mean_of_ranks(buf: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """A custom buffer policy that edits in place: the mean over ranks, rank r weighing r+1."""
-    gathered = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, buf, group=group)
-    buf.copy_(_weighted_mean(gathered))
+    buf.copy_(_weighted_mean(_gathered(buf, group)))
 
 
 def _weighted_mean(values: Sequence[torch.Tensor]) -> torch.Tensor:

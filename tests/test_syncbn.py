@@ -474,11 +474,11 @@ _BRANCH_STEPS = [(True, True), (True, False), (True, False), (False, True), (Fal
 def _branch_worker(rank: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for engine in ("torch", "bucketddp"):
-        net = convert_sync_batchnorm(_BranchNet())
+        # The ground truth: torch DDP, with the layer on a group of its own so that torch's
+        # bucket all-reduces cannot cross it either.
+        group = dist.new_group() if engine == "torch" else None
+        net = convert_sync_batchnorm(_BranchNet(), process_group=group)
         if engine == "torch":
-            # The ground truth: torch DDP, with the layer on a group of its own so that
-            # torch's bucket all-reduces cannot cross it either.
-            net = convert_sync_batchnorm(net, process_group=dist.new_group())
             model: nn.Module = nn.parallel.DistributedDataParallel(
                 net, find_unused_parameters=True, bucket_cap_mb=1e-4
             )
