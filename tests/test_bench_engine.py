@@ -22,10 +22,10 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_engine.p
 SHORT = ["--rounds", "1", "--steps", "1", "--warmup", "2", "--world-size", "2", "--no-memory"]
 
 
-def run_bench(tmp_path: Path, *extra: str) -> dict[str, Any]:
-    """Run the benchmark script on the transformer and return its JSON report."""
+def run_bench(tmp_path: Path, *extra: str, short: list[str] = SHORT) -> dict[str, Any]:
+    """Run the benchmark script on the transformer; returns its timed rounds' JSON report."""
     out = tmp_path / "engine.json"
-    cmd = [sys.executable, str(SCRIPT), "--models", "transformer", *SHORT, *extra]
+    cmd = [sys.executable, str(SCRIPT), "--models", "transformer", *short, *extra]
     proc = subprocess.run(
         [*cmd, "--json", str(out)], capture_output=True, text=True, timeout=180, check=False
     )
@@ -35,8 +35,21 @@ def run_bench(tmp_path: Path, *extra: str) -> dict[str, Any]:
     return report["world_size_2"]["transformer"]
 
 
-def test_default_buckets_match_torch_ddp(tmp_path: Path) -> None:
-    result = run_bench(tmp_path)
+def test_default_buckets_match_torch_ddp_and_peak_memory_is_the_median_of_fresh_pairs(
+    tmp_path: Path,
+) -> None:
+    # One run checks both, to keep the suite short: the timed rounds with default options,
+    # then the memory pairs (a fresh pair of processes per system and repeat).
+    out = tmp_path / "engine.json"
+    memory_args = ["--memory-steps", "1", "--memory-repeats", "3"]
+    result = run_bench(tmp_path, *memory_args, short=[a for a in SHORT if a != "--no-memory"])
+    memory = json.loads(out.read_text())["memory_world_size_2"]["transformer"]
+    assert set(memory) == {"local", "torch_ddp", "bucketddp"}
+    for system in memory.values():
+        pairs = system["repeats_delta_mb"]
+        assert len(pairs) == 3 and system["delta_mb"] == statistics.median(pairs)
+        assert len(system["per_rank_delta_mb"]) == 2
+
     theirs = result["torch_ddp_bucket_mb"]
     if theirs is None:
         pytest.skip("this torch's DDP does not report its rebuilt bucket sizes")
@@ -58,36 +71,12 @@ def test_a_bucket_cap_gives_both_engines_the_same_buckets(tmp_path: Path) -> Non
     assert theirs[0] > 1.5  # not a 1 MB first bucket
 
 
-def test_first_bucket_option_reaches_bucketddp(tmp_path: Path) -> None:
-    result = run_bench(tmp_path, "--first-bucket-mb", "25")
+def test_first_bucket_and_comm_hook_options_reach_the_wrappers(tmp_path: Path) -> None:
+    # One bucket with a hook: one call for the bucket and the flags' own all-reduce. torch
+    # DDP takes the same hook (it would raise on an unknown one).
+    result = run_bench(tmp_path, "--first-bucket-mb", "25", "--comm-hook", "fp16")
     assert result["bucketddp_buckets"] == 1
-
-
-def test_comm_hook_option_reaches_both_wrappers(tmp_path: Path) -> None:
-    # bucketddp with a hook: one call per bucket and the flags' own all-reduce. torch DDP
-    # takes the same hook (it would raise on an unknown one).
-    result = run_bench(tmp_path, "--comm-hook", "fp16")
-    assert result["bucketddp_collectives"] == result["bucketddp_buckets"] + 1
-
-
-def test_peak_memory_is_the_median_of_fresh_pairs(tmp_path: Path) -> None:
-    out = tmp_path / "engine.json"
-    args = ["--models", "transformer", "--rounds", "1", "--steps", "1", "--warmup", "0"]
-    args += ["--world-size", "2", "--memory-steps", "1", "--memory-repeats", "3"]
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    memory = json.loads(out.read_text())["memory_world_size_2"]["transformer"]
-    assert set(memory) == {"local", "torch_ddp", "bucketddp"}
-    for system in memory.values():
-        pairs = system["repeats_delta_mb"]
-        assert len(pairs) == 3 and system["delta_mb"] == statistics.median(pairs)
-        assert len(system["per_rank_delta_mb"]) == 2
+    assert result["bucketddp_collectives"] == 2
 
 
 def test_bad_bucket_size_is_refused() -> None:
