@@ -34,14 +34,20 @@ process that trains the same model on the global batch:
   rank's running statistics, then the rest of the model on each rank's share, and one
   backward through the sum of the losses.
 
+- **Checkpointing** (``torch.utils.checkpoint``, reentrant or not, only on the ranks). The
+  trunk runs in a segment per layer or in one, optionally ``trunk.0`` again at its end and
+  the head in a segment of its own; a forward may return an object the wrapper's output
+  hooks do not open. Recomputing changes nothing, so the reference runs plainly.
+
 Only combinations the docs document as supported are generated: ``static_graph`` only for
 a static graph (no rank-dependent branch, no freezing, no ``join()``, no sparse embedding),
 no communication hook with a sparse embedding, freezing or unfreezing only before a step
 every rank trains, SyncBatchNorm never under ``join()``, ``"sum"`` only on buffers that
-are only added to, and a policy only on a dtype docs/buffers.md allows it for.
-The buffer features are drawn from a random stream of their own
-(``random.Random(f"{seed}/buffers")``), so the rest of a seed's schedule is what it was
-before they were added.
+are only added to, a policy only on a dtype docs/buffers.md allows it for, and a
+parameter in two reentrant segments only with ``static_graph``. The buffer features and
+the checkpointing are drawn from random streams of their own
+(``random.Random(f"{seed}/buffers")``, ``f"{seed}/checkpoint"``), so the rest of a seed's
+schedule is what it was before they were added.
 
 Usage (``python3 dev.py fuzz ...`` runs it in the project's venv)::
 
@@ -61,6 +67,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import functools
 import gc
 import random
 import re
@@ -70,13 +77,14 @@ import traceback
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.utils.checkpoint import checkpoint
 
 from bucketddp import BucketDataParallel
 from bucketddp.syncbn import convert_sync_batchnorm
@@ -232,6 +240,17 @@ class Schedule:
     """``buffer_sync``, in its order; custom policies by their ``CUSTOM`` name."""
     default_policy: str | None = None
     """``default_buffer_policy``, if given."""
+    repeat: bool = False
+    """``trunk.0`` runs a second time after the last trunk layer (one parameter, two uses)."""
+    ckpt: str | None = None
+    """The trunk under ``torch.utils.checkpoint``: ``"reentrant"``, ``"plain"`` (not), or None."""
+    whole: bool = False
+    """One checkpoint segment for the whole trunk instead of one per layer (and repeat)."""
+    head_ckpt: bool = False
+    """The head runs in a checkpoint segment too (the ``ckpt`` kind): the first gradients
+    of a backward may then come from a nested one."""
+    opaque: bool = False
+    """The ranks' forward returns an object the wrapper's output hooks do not look into."""
 
     def buffer_policies(self) -> dict[str, tuple[str, bool]]:
         """Each buffer's policy and whether it is rank-local, by docs/buffers.md's rules.
@@ -276,7 +295,15 @@ class Schedule:
             tags.add("freeze_switch")
         if self.freeze is not None and not self.steps[0].target_trains:
             tags.add("frozen_at_wrap")
-        tags |= {n for n in ("stats", "reassign", "syncbn") if getattr(self, n)}
+        tags |= {n for n in ("stats", "reassign", "syncbn", "repeat") if getattr(self, n)}
+        if self.opaque:
+            tags.add("opaque")
+        if self.ckpt is not None:
+            tags.add(f"ckpt_{self.ckpt}")
+            if self.head_ckpt:
+                tags.add("head_ckpt")
+            if self.ckpt == "reentrant" and self.repeat and not self.whole:
+                tags.add("several_grads")  # trunk.0 in two reentrant segments
         if self.buffer_rules:
             tags.add("buffer_rules")
         if any(k not in dict(buffer_table(self.bn, self.stats)) for k, _ in self.buffer_rules):
@@ -303,6 +330,17 @@ class Schedule:
             blocks[blocks.index("bn")] = "syncbn"
         if self.stats:
             blocks.append("stats(re)" if self.reassign else "stats")
+        if self.repeat:
+            blocks[0] += "+t0"
+        if self.ckpt is not None:
+            how = [
+                self.ckpt,
+                *(["whole"] if self.whole else []),
+                *(["head"] if self.head_ckpt else []),
+            ]
+            blocks.append(f"ckpt({','.join(how)})")
+        if self.opaque:
+            blocks.append("opaque")
         o = self.options
         cap, first = o["bucket_cap_mb"], o["first_bucket_mb"]
         engine = [f"cap={'-' if cap is None else f'{cap:g}'}"]
@@ -341,6 +379,14 @@ class Schedule:
         if self.bn:
             parts.append(f"bn {'SyncBatchNorm' if self.syncbn else 'BatchNorm1d'}({self.width})")
         parts += [f"trunk.{i} Linear({self.width}, {self.width})" for i in range(self.depth)]
+        if self.repeat:
+            parts.append("trunk.0 again")
+        if self.ckpt is not None:
+            segments = "one segment" if self.whole else "a segment per layer"
+            head = ", the head in one too" if self.head_ckpt else ""
+            parts.append(f"(trunk under {self.ckpt} checkpoint, {segments}{head})")
+        if self.opaque:
+            parts.append("(forward returns an opaque object)")
         if self.stats:
             how = "reassigned" if self.reassign else "in place"
             parts.append(f"stats Stats({self.width}) (counters written {how})")
@@ -545,6 +591,7 @@ def make_schedule(seed: int, world_sizes: Sequence[int] = WORLD_SIZES) -> Schedu
     forward_sync = buffers.pop("forward_sync")
     if forward_sync is not None:
         options["forward_sync_buffers"] = forward_sync
+    buffers |= draw_checkpoint(seed, depth, static)
     return Schedule(
         seed=seed,
         world=world,
@@ -567,6 +614,39 @@ def make_schedule(seed: int, world_sizes: Sequence[int] = WORLD_SIZES) -> Schedu
         steps=tuple(steps),
         **buffers,
     )
+
+
+def draw_checkpoint(seed: int, depth: int, static: bool) -> dict[str, Any]:
+    """The trunk's reuse and checkpointing for ``seed``, from a random stream of their own.
+
+    Returns the ``Schedule`` fields ``opaque``, ``repeat``, ``ckpt``, ``whole`` and
+    ``head_ckpt``. A
+    parameter gets several gradients in one backward only in several reentrant segments,
+    which needs ``static_graph`` (docs/engine.md, "Static graphs").
+    """
+    rng = random.Random(f"{seed}/checkpoint")
+    opaque = rng.random() < 0.3
+    if depth == 0:
+        return {"opaque": opaque}
+    ckpt = rng.choice(["reentrant", "plain"]) if rng.random() < 0.4 else None
+    whole = ckpt is not None and rng.random() < 0.3
+    several = ckpt == "reentrant" and not whole
+    repeat = rng.random() < (0.7 if several and static else 0.35) and (static or not several)
+    head_ckpt = ckpt is not None and rng.random() < 0.5
+    return {
+        "opaque": opaque,
+        "repeat": repeat,
+        "ckpt": ckpt,
+        "whole": whole,
+        "head_ckpt": head_ckpt,
+    }
+
+
+class Opaque:
+    """A forward's outputs in an object the wrapper's output hooks do not open."""
+
+    def __init__(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        self.outputs = outputs
 
 
 class Stats(nn.Module):
@@ -631,6 +711,12 @@ class FuzzNet(nn.Module):
         self.inp = nn.Linear(IN, w)
         self.bn = nn.BatchNorm1d(w) if s.bn else None
         self.trunk = nn.ModuleList(nn.Linear(w, w) for _ in range(s.depth))
+        self.repeat = s.repeat
+        # Set on the ranks' models only (see ``train_rank``).
+        self.ckpt: str | None = None
+        self.opaque = False
+        self.whole = s.whole
+        self.head_ckpt = s.head_ckpt
         self.stats = Stats(w, s.reassign) if s.stats else None
         self.emb = nn.Embedding(VOCAB, w) if s.tied else None
         self.out = nn.Linear(w, VOCAB, bias=False) if s.tied else None
@@ -644,8 +730,9 @@ class FuzzNet(nn.Module):
 
     def forward(
         self, x: torch.Tensor, tokens: torch.Tensor, use_branch: bool, use_lookup: bool
-    ) -> tuple[torch.Tensor, ...]:
-        return self.rest(self.front(x), x, tokens, use_branch, use_lookup)
+    ) -> tuple[torch.Tensor, ...] | Opaque:
+        out = self.rest(self.front(x), x, tokens, use_branch, use_lookup)
+        return Opaque(out) if self.opaque else out
 
     def front(self, x: torch.Tensor) -> torch.Tensor:
         """The input layer and BatchNorm: the part the SyncBatchNorm reference runs globally."""
@@ -663,9 +750,7 @@ class FuzzNet(nn.Module):
         use_lookup: bool,
     ) -> tuple[torch.Tensor, ...]:
         """Everything after ``front``."""
-        h = torch.tanh(h)
-        for layer in self.trunk:
-            h = torch.tanh(layer(h))
+        h = self.run_trunk(torch.tanh(h))
         if self.stats is not None:
             h = self.stats(x, tokens, h)
         if self.emb is not None:
@@ -676,9 +761,37 @@ class FuzzNet(nn.Module):
             h = h + torch.tanh(self.f64(h.double())).to(h.dtype)
         if self.branch is not None and use_branch:
             h = h + torch.tanh(self.branch(h))
+        if self.ckpt is not None and self.head_ckpt and h.requires_grad:
+            reentrant = self.ckpt == "reentrant"
+            y = cast(torch.Tensor, checkpoint(self.head, h, use_reentrant=reentrant))
+        else:
+            y = self.head(h)
         if self.out is None:
-            return (self.head(h),)
-        return self.head(h), self.out(h)
+            return (y,)
+        return y, self.out(h)
+
+    def run_trunk(self, h: torch.Tensor) -> torch.Tensor:
+        """The trunk layers (``trunk.0`` again if ``repeat``), checkpointed if ``ckpt``.
+
+        Reentrant checkpointing needs an input that requires a gradient: without one (the
+        input layer frozen, no BatchNorm) the trunk runs plainly, as in the reference.
+        """
+        layers = [*self.trunk, *self.trunk[:1]] if self.repeat else list(self.trunk)
+        if self.ckpt is None or not h.requires_grad:
+            return _chain(layers, h)
+        reentrant = self.ckpt == "reentrant"
+        if self.whole:
+            out = checkpoint(functools.partial(_chain, layers), h, use_reentrant=reentrant)
+            return cast(torch.Tensor, out)
+        for layer in layers:
+            h = checkpoint(functools.partial(_chain, [layer]), h, use_reentrant=reentrant)
+        return h
+
+
+def _chain(layers: Sequence[nn.Module], h: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        h = torch.tanh(layer(h))
+    return h
 
 
 def build_model(s: Schedule) -> FuzzNet:
@@ -749,6 +862,7 @@ def wrapper_options(s: Schedule) -> dict[str, Any]:
 def train_rank(rank: int, world: int, s: Schedule) -> dict[str, Any]:
     """Run the schedule through ``BucketDataParallel`` on this rank (a ``run_ranks`` target)."""
     model = build_model(s)
+    model.ckpt, model.opaque = s.ckpt, s.opaque
     if s.syncbn:
         convert_sync_batchnorm(model)
     with torch.no_grad():
@@ -771,6 +885,8 @@ def train_rank(rank: int, world: int, s: Schedule) -> dict[str, Any]:
                 with contextlib.nullcontext() if synced else wrapped.no_sync():
                     x, tokens, y, labels = batch(s, i, m, rank)
                     out = wrapped(x, tokens, step.branch[m][rank], step.lookup[m][rank])
+                    if isinstance(out, Opaque):
+                        out = out.outputs
                     loss_of(out, y, labels).backward()
             opt.step()
             opt.zero_grad(set_to_none=step.set_to_none)
