@@ -5,7 +5,9 @@ process group (gloo unless a test asks for nccl) on a free loopback port, calls 
 world_size, *args)`` on each and returns the per-rank results in rank order. A rank that
 raises fails the call with that rank's traceback; a run that outlives ``timeout`` seconds is
 killed and fails with the list of ranks still running, so a hang in the code under test
-shows up as a test failure.
+shows up as a test failure. Either way the message carries the Python stack of every
+thread of a rank that hung (dumped just before it is killed) or died of a signal (an
+abort, a segfault), from ``faulthandler``.
 
 Processes come from a forkserver that has torch preloaded, so a rank starts in a fraction
 of a second instead of re-importing torch.
@@ -13,10 +15,14 @@ of a second instead of re-importing torch.
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import multiprocessing as mp
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -66,8 +72,15 @@ def _worker(
     env: dict[str, str],
     backend: str,
     conn: Any,
+    stack_path: str,
 ) -> None:
     torch.set_num_threads(1)
+    # Every thread's Python stack goes to stack_path if the rank dies of a signal, or when
+    # the parent asks (SIGUSR1) before killing a rank that hangs.
+    stacks = open(stack_path, "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.enable(file=stacks, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -96,6 +109,27 @@ def _worker(
         conn.close()
 
 
+def _stacks(path: str) -> str:
+    """What faulthandler wrote for one rank, as a message suffix ("" if nothing)."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return f"\nits threads' Python stacks (faulthandler):\n{text}" if text else ""
+
+
+def _hung_stacks(procs: list[Any], paths: list[str], running: list[int]) -> str:
+    """Ask the hung ranks for their threads' stacks (SIGUSR1); returns them for the message."""
+    if not hasattr(signal, "SIGUSR1"):
+        return ""
+    for rank in running:
+        if procs[rank].is_alive() and procs[rank].pid is not None:
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    return "".join(f"\nrank {rank}:" + _stacks(paths[rank]) for rank in running)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -112,10 +146,23 @@ def run_ranks(
     """
     port = free_port()
     pipes = [_CTX.Pipe(duplex=False) for _ in range(world_size)]
+    stack_dir = tempfile.mkdtemp(prefix="multirank-")
+    stack_paths = [os.path.join(stack_dir, f"rank{rank}.txt") for rank in range(world_size)]
     procs = [
         _CTX.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, timeout, args, env or {}, backend, pipes[rank][1]),
+            args=(
+                fn,
+                rank,
+                world_size,
+                port,
+                timeout,
+                args,
+                env or {},
+                backend,
+                pipes[rank][1],
+                stack_paths[rank],
+            ),
             daemon=True,
         )
         for rank in range(world_size)
@@ -136,8 +183,10 @@ def run_ranks(
                     try:
                         results[rank] = recv.recv()
                     except EOFError:
+                        procs[rank].join(timeout=5.0)
                         code = procs[rank].exitcode
-                        results[rank] = ("error", f"rank {rank} died (exit code {code})")
+                        died = f"rank {rank} died (exit code {code})"
+                        results[rank] = ("error", died + _stacks(stack_paths[rank]))
             errors = {r: msg for r, (kind, msg) in results.items() if kind == "error"}
             if errors and len(results) < world_size:
                 # Give the other ranks a moment to report their own errors, then stop.
@@ -148,20 +197,23 @@ def run_ranks(
                             try:
                                 results[rank] = recv.recv()
                             except EOFError:
-                                results[rank] = ("error", f"rank {rank} died")
+                                died = f"rank {rank} died" + _stacks(stack_paths[rank])
+                                results[rank] = ("error", died)
                 break
             if time.monotonic() > deadline:
                 running = [r for r in range(world_size) if r not in results]
                 raise TimeoutError(
                     f"{fn.__name__} on {world_size} ranks did not finish within {timeout:.0f}s; "
-                    f"ranks still running: {running}"
+                    f"ranks still running: {running}" + _hung_stacks(procs, stack_paths, running)
                 )
     finally:
         for p in procs:
-            p.join(timeout=5.0)
+            # A rank still running after the deadline hangs: no point waiting for it.
+            p.join(timeout=0 if time.monotonic() > deadline else 5.0)
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(stack_dir, ignore_errors=True)
 
     errors = {r: msg for r, (kind, msg) in results.items() if kind == "error"}
     if errors:
