@@ -620,9 +620,8 @@ def draw_checkpoint(seed: int, depth: int, static: bool) -> dict[str, Any]:
     """The trunk's reuse and checkpointing for ``seed``, from a random stream of their own.
 
     Returns the ``Schedule`` fields ``opaque``, ``repeat``, ``ckpt``, ``whole`` and
-    ``head_ckpt``. A
-    parameter gets several gradients in one backward only in several reentrant segments,
-    which needs ``static_graph`` (docs/engine.md, "Static graphs").
+    ``head_ckpt``. A parameter gets several gradients in one backward only in several
+    reentrant segments, which needs ``static_graph`` (docs/engine.md, "Static graphs").
     """
     rng = random.Random(f"{seed}/checkpoint")
     opaque = rng.random() < 0.3
