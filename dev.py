@@ -5,6 +5,7 @@
     python3 dev.py test    # the test suite
     python3 dev.py bench   # the engine benchmark (bucketddp vs torch DDP vs no communication)
     python3 dev.py fuzz    # the engine fuzzer, outside the suite: --schedules 200, --replay SEED
+    python3 dev.py fuzz-lightning   # the strategy fuzzer against "ddp": --schedules 100
     python3 dev.py lint    # ruff and mypy
 
 The first call creates .venv and installs the project with every pin in constraints.txt,
@@ -30,6 +31,7 @@ COMMANDS = {
     "test": [["-m", "pytest", "-q"]],
     "bench": [["benchmarks/bench_engine.py"]],
     "fuzz": [["tests/fuzz_engine.py"]],
+    "fuzz-lightning": [["tests/fuzz_lightning.py"]],
     "lint": [
         ["-m", "ruff", "check", "src", "tests", "examples", "benchmarks", "dev.py"],
         ["-m", "mypy"],
