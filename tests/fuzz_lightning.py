@@ -77,6 +77,7 @@ class LightningSchedule:
     """The keyword arguments both ``DDPStrategy`` and ``BucketDDP`` get."""
 
     def short(self) -> str:
+        """A one-line summary: model | strategy options | training loop."""
         blocks = [f"x{self.width}"]
         blocks += [n for n in ("bn", "twice", "branch", "spare") if getattr(self, n)]
         o = self.options
@@ -240,7 +241,7 @@ def child(seeds: list[int], out_dir: Path) -> None:
     torch.save(results, out_dir / f"rank{rank}.pt")
 
 
-def compare(seed: int, ranks: list[dict[str, dict[str, torch.Tensor]]]) -> tuple[float, list[str]]:
+def compare(ranks: list[dict[str, dict[str, torch.Tensor]]]) -> tuple[float, list[str]]:
     """The largest difference between the strategies, and what is out of tolerance."""
     worst, bad = 0.0, []
     for r, states in enumerate(ranks):
@@ -286,7 +287,7 @@ def run_launch(seeds: list[int], timeout: float) -> dict[int, tuple[bool, str]]:
         by_rank = [torch.load(p, weights_only=False) for p in paths]
     outcomes = {}
     for seed in seeds:
-        worst, bad = compare(seed, [results[seed] for results in by_rank])
+        worst, bad = compare([results[seed] for results in by_rank])
         outcomes[seed] = (not bad, f"err {worst:.2g}" + "".join(f"\n    {b}" for b in bad[:8]))
     return outcomes
 

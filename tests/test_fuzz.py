@@ -46,8 +46,9 @@ def test_fuzz_schedules_match_one_process_on_the_global_batch() -> None:
 
 # Lightning: 4, manual optimization accumulating through toggle_model, with BatchNorm, a
 # layer used twice, one some ranks skip and one no rank runs; 15, static_graph with the
-# fp16 hook and gradient clipping; 49, bf16-mixed with BatchNorm, the rank-dependent layer,
-# allreduce_hook and clipping; 7, accumulate_grad_batches=2 with BatchNorm.
+# fp16 hook, a layer used twice and one no rank runs; 49, bf16-mixed with BatchNorm, the
+# rank-dependent layer, allreduce_hook and clipping; 7, accumulate_grad_batches=2 with
+# BatchNorm.
 LIGHTNING_SEEDS = (4, 15, 49, 7)
 
 
