@@ -75,7 +75,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -760,11 +760,7 @@ class FuzzNet(nn.Module):
             h = h + torch.tanh(self.f64(h.double())).to(h.dtype)
         if self.branch is not None and use_branch:
             h = h + torch.tanh(self.branch(h))
-        if self.ckpt is not None and self.head_ckpt and h.requires_grad:
-            reentrant = self.ckpt == "reentrant"
-            y = cast(torch.Tensor, checkpoint(self.head, h, use_reentrant=reentrant))
-        else:
-            y = self.head(h)
+        y = self.segment(self.head, h) if self.head_ckpt else self.head(h)
         if self.out is None:
             return (y,)
         return y, self.out(h)
@@ -777,14 +773,19 @@ class FuzzNet(nn.Module):
         """
         layers = [*self.trunk, *self.trunk[:1]] if self.repeat else list(self.trunk)
         if self.ckpt is None or not h.requires_grad:
-            return _chain(layers, h)
-        reentrant = self.ckpt == "reentrant"
+            return _chain(layers, h)  # decided once, at the trunk's input
         if self.whole:
-            out = checkpoint(functools.partial(_chain, layers), h, use_reentrant=reentrant)
-            return cast(torch.Tensor, out)
+            return self.segment(functools.partial(_chain, layers), h)
         for layer in layers:
-            h = checkpoint(functools.partial(_chain, [layer]), h, use_reentrant=reentrant)
+            h = self.segment(functools.partial(_chain, [layer]), h)
         return h
+
+    def segment(self, fn: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """``fn(h)``, in a checkpoint segment of the ``ckpt`` kind if there is one to make."""
+        if self.ckpt is None or not h.requires_grad:
+            return fn(h)
+        out = checkpoint(fn, h, use_reentrant=self.ckpt == "reentrant")
+        return cast(torch.Tensor, out)
 
 
 def _chain(layers: Sequence[nn.Module], h: torch.Tensor) -> torch.Tensor:

@@ -198,8 +198,8 @@ def fit_pair(s: LightningSchedule) -> dict[str, dict[str, torch.Tensor]]:
     from bucketddp import BucketDDP
     from lightning_models import QUIET, RegisterCommHook
 
-    hook = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}
-    fn = hook.get(s.hook) if s.hook else None
+    hooks = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}
+    fn = hooks[s.hook] if s.hook else None
     out = {}
     for label in ("ddp", "bucket"):
         if label == "ddp":
