@@ -6,10 +6,14 @@ Three systems train each model (see ``models.py``) with SGD and momentum:
 - ``torch_ddp``: ``torch.nn.parallel.DistributedDataParallel`` with its default options;
 - ``bucketddp``: ``bucketddp.BucketDataParallel`` with its default options.
 
-Step times come from one pair of processes per model that keeps all three systems alive and
-runs them in interleaved rounds, rotating the order each round, so that slow drifts of the
-machine hit every system alike. Peak memory comes from a fresh pair of processes per
-(model, system), because a process's peak resident set size only ever grows.
+With ``--null``, a fourth: ``torch_ddp_b``, a second torch DDP, whose ratio to the first
+shows how far apart two identical systems come out (the noise floor of the comparison).
+
+Step times come from one pair of processes per model that keeps all systems alive and runs
+them in interleaved rounds, in an order that changes every round (each system follows every
+other equally often), so that slow drifts of the machine hit every system alike. Peak
+memory comes from a fresh pair of processes per (model, system), because a process's peak
+resident set size only ever grows.
 See ``docs/benchmarks.md`` for how to read the output.
 
 Usage::
@@ -50,6 +54,8 @@ from bucketddp import BucketDataParallel
 from models import MODELS, Batch, ModelSpec, count_parameters, loss_fn
 
 SYSTEMS = ("local", "torch_ddp", "bucketddp")
+NULL_SYSTEM = "torch_ddp_b"
+"""A second torch DDP (``--null``): the A/A comparison that shows the noise floor."""
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "engine.json"
 LR = 0.01
 MOMENTUM = 0.9
@@ -191,7 +197,7 @@ def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
     wrapped: DistributedDataParallel | BucketDataParallel
     if system == "local":
         return model
-    if system == "torch_ddp":
+    if system in ("torch_ddp", NULL_SYSTEM):
         wrapped = DistributedDataParallel(model, **cap)
     elif system == "bucketddp":
         # torch DDP makes its first bucket as large as an explicit bucket_cap_mb: the same
@@ -206,10 +212,29 @@ def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
     return wrapped
 
 
-def rotated(systems: Sequence[str], round_: int) -> list[str]:
-    """The order of ``systems`` in round ``round_``: each round starts one system later."""
-    k = round_ % len(systems)
-    return [*systems[k:], *systems[:k]]
+def round_order(systems: Sequence[str], round_: int) -> list[str]:
+    """The order of ``systems`` in round ``round_``, from a Williams design.
+
+    Over a cycle of rounds (as many as systems when their number is even, twice that when
+    it is odd) every system runs in every position equally often and directly follows
+    every other system equally often, so neither a slot in the round nor the system that
+    ran just before (its warm caches, its leftover gloo traffic) favours one of them. A
+    plain rotation balances the positions only: with three systems, one of them would
+    follow a given other in two rounds of three.
+    """
+    n = len(systems)
+    first = [0]
+    low, high = 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(x + k) % n for x in first] for k in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [systems[i] for i in rows[round_ % len(rows)]]
 
 
 def make_batches(spec: ModelSpec, cfg: Config, rank: int, round_: int, count: int) -> list[Batch]:
@@ -269,7 +294,7 @@ def time_model(
     per_round: dict[str, list[list[list[float]]]] = {s: [] for s in systems}
     for r in range(cfg.rounds):
         batches = make_batches(spec, cfg, rank, r, cfg.warmup + cfg.steps)
-        for s in rotated(systems, r):
+        for s in round_order(systems, r):
             dist.barrier()
             rows = train_steps(models[s], optimizers[s], batches, cfg.device == "cuda")
             rows = rows[cfg.warmup :]
@@ -382,7 +407,7 @@ def measure_model_memory(
     """
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     for r in range(repeats):
-        for s in rotated(SYSTEMS, r):
+        for s in round_order(SYSTEMS, r):
             ranks = run_ranks(measure_memory, 2, name, s, cfg, backend=backend)
             worst = max(ranks, key=lambda m: m["delta_mb"])
             runs[s].append({**worst, "per_rank_delta_mb": [m["delta_mb"] for m in ranks]})
@@ -436,6 +461,19 @@ def verdict(ci: tuple[float, float]) -> str:
     return "within noise"
 
 
+def _compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """Step-time ratios of one system's figures over another's: pooled and per round."""
+    round_ratios = [
+        a / b for a, b in zip(ours["round_medians_ms"], theirs["round_medians_ms"], strict=True)
+    ]
+    return {
+        "ratio_of_medians": ours["median_ms"] / theirs["median_ms"],
+        "median_round_ratio": _median(round_ratios),
+        "round_ratios": round_ratios,
+        "round_ratio_ci95": list(bootstrap_ci(round_ratios)),
+    }
+
+
 def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
     """Medians, ratios and exposed communication of one model's timing run (in ms)."""
     per_round = raw["per_round"]
@@ -463,15 +501,11 @@ def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
             if s != "local":
                 figures[s]["exposed_comm_ms"] = figures[s]["median_ms"] - floor
     if "torch_ddp" in figures and "bucketddp" in figures:
-        ours, theirs = figures["bucketddp"], figures["torch_ddp"]
-        round_ratios = [
-            a / b for a, b in zip(ours["round_medians_ms"], theirs["round_medians_ms"], strict=True)
-        ]
-        out["ratio_of_medians"] = ours["median_ms"] / theirs["median_ms"]
-        out["median_round_ratio"] = _median(round_ratios)
-        out["round_ratios"] = round_ratios
-        out["round_ratio_ci95"] = list(bootstrap_ci(round_ratios))
-        out["cpu_ratio"] = ours["cpu_ms"] / theirs["cpu_ms"]
+        out.update(_compare(figures["bucketddp"], figures["torch_ddp"]))
+        out["cpu_ratio"] = figures["bucketddp"]["cpu_ms"] / figures["torch_ddp"]["cpu_ms"]
+    if "torch_ddp" in figures and NULL_SYSTEM in figures:
+        null = _compare(figures[NULL_SYSTEM], figures["torch_ddp"])
+        out.update({f"null_{key}": value for key, value in null.items()})
     if "local" in figures and "bucketddp" in figures:
         out["bucketddp_over_local"] = (
             figures["bucketddp"]["median_ms"] / figures["local"]["median_ms"]
@@ -550,6 +584,13 @@ def print_time_table(
                 f"{'':<19} 95% interval of the median round ratio: {lo:.3f}-{hi:.3f}, "
                 f"{verdict((lo, hi))}"
             )
+        if "null_ratio_of_medians" in res:
+            lo, hi = res["null_round_ratio_ci95"]
+            print(
+                f"{'':<19} null, {NULL_SYSTEM}/torch_ddp: {res['null_ratio_of_medians']:.3f} "
+                f"(ratio of medians), {res['null_median_round_ratio']:.3f} (median of round "
+                f"ratios), 95% interval {lo:.3f}-{hi:.3f}"
+            )
         if "bucketddp_bucket_mb" in res and not overhead:
             print(
                 f"{'':<19} buckets (MB, launch order): bucketddp {res['bucketddp_bucket_mb']}, "
@@ -595,12 +636,19 @@ def pool_reports(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any
                     model, {"runs": 0, "round_ratios": [], "ratio_of_medians": []}
                 )
                 entry["runs"] += 1
-                entry["round_ratios"] += res["round_ratios"]
-                entry["ratio_of_medians"].append(res["ratio_of_medians"])
+                for prefix in ("", "null_"):
+                    if f"{prefix}round_ratios" in res:
+                        entry.setdefault(f"{prefix}round_ratios", [])
+                        entry.setdefault(f"{prefix}ratio_of_medians", [])
+                        entry[f"{prefix}round_ratios"] += res[f"{prefix}round_ratios"]
+                        entry[f"{prefix}ratio_of_medians"].append(res[f"{prefix}ratio_of_medians"])
     for models in pooled.values():
         for entry in models.values():
-            entry["median_round_ratio"] = _median(entry["round_ratios"])
-            entry["round_ratio_ci95"] = list(bootstrap_ci(entry["round_ratios"]))
+            for prefix in ("", "null_"):
+                if f"{prefix}round_ratios" in entry:
+                    ratios = entry[f"{prefix}round_ratios"]
+                    entry[f"{prefix}median_round_ratio"] = _median(ratios)
+                    entry[f"{prefix}round_ratio_ci95"] = list(bootstrap_ci(ratios))
     return pooled
 
 
@@ -629,6 +677,14 @@ def pool_main(paths: Sequence[Path]) -> int:
                 f"{e['median_round_ratio']:.3f}, 95% interval {lo:.3f}-{hi:.3f}, "
                 f"{verdict((lo, hi))}; ratio of medians per run: {per_run}"
             )
+            if "null_round_ratios" in e:
+                lo, hi = e["null_round_ratio_ci95"]
+                print(
+                    f"{'':<12} null, {NULL_SYSTEM}/torch_ddp: median of "
+                    f"{len(e['null_round_ratios'])} round ratios {e['null_median_round_ratio']:.3f}"
+                    f", 95% interval {lo:.3f}-{hi:.3f} (from {len(e['null_ratio_of_medians'])} of "
+                    f"the {e['runs']} runs)"
+                )
     return 0
 
 
@@ -706,6 +762,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="cpu",
         help="cpu: gloo (default); cuda: NCCL, one GPU per rank, so world size 2 needs 2 GPUs",
     )
+    p.add_argument(
+        "--null",
+        action="store_true",
+        help=f"also time {NULL_SYSTEM}, a second torch DDP, at world size 2: its ratio to "
+        "torch_ddp is the noise floor of the comparison",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     p.add_argument("--memory-steps", type=int, help="steps per memory run (default 4; quick 2)")
     p.add_argument(
@@ -781,6 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "models": args.models,
             "world_sizes": args.world_size,
             "memory_repeats": args.memory_repeats,
+            "null": args.null,
         },
     }
     print(
@@ -805,7 +868,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  memory {name}: done ({time.perf_counter() - started:.0f}s)", flush=True)
         report["memory_world_size_2"] = memory
 
-    sections = [(2, args.models, SYSTEMS), (1, args.ws1_models, SYSTEMS)]
+    timed = (*SYSTEMS, NULL_SYSTEM) if args.null else SYSTEMS
+    sections = [(2, args.models, timed), (1, args.ws1_models, SYSTEMS)]
     for world_size, names, systems in sections:
         if world_size not in args.world_size:
             continue

@@ -8,6 +8,10 @@ options reach bucketddp.
 
 from __future__ import annotations
 
+import collections
+import functools
+import importlib.util
+import itertools
 import json
 import statistics
 import subprocess
@@ -71,12 +75,47 @@ def test_a_bucket_cap_gives_both_engines_the_same_buckets(tmp_path: Path) -> Non
     assert theirs[0] > 1.5  # not a 1 MB first bucket
 
 
-def test_first_bucket_and_comm_hook_options_reach_the_wrappers(tmp_path: Path) -> None:
+def test_first_bucket_comm_hook_and_null_options_reach_the_run(tmp_path: Path) -> None:
     # One bucket with a hook: one call for the bucket and the flags' own all-reduce. torch
-    # DDP takes the same hook (it would raise on an unknown one).
-    result = run_bench(tmp_path, "--first-bucket-mb", "25", "--comm-hook", "fp16")
+    # DDP takes the same hook (it would raise on an unknown one), and so does the null
+    # system, a second torch DDP.
+    extra = ["--first-bucket-mb", "25", "--comm-hook", "fp16", "--null"]
+    result = run_bench(tmp_path, *extra)
     assert result["bucketddp_buckets"] == 1
     assert result["bucketddp_collectives"] == 2
+    assert set(result["systems"]) == {"local", "torch_ddp", "bucketddp", "torch_ddp_b"}
+    ours, null = result["systems"]["torch_ddp_b"], result["systems"]["torch_ddp"]
+    assert result["null_round_ratios"] == [
+        a / b for a, b in zip(ours["round_medians_ms"], null["round_medians_ms"], strict=True)
+    ]
+
+
+@functools.cache
+def load_bench() -> Any:
+    """The benchmark script as a module (its folder on the path, for ``models``)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look themselves up there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return module
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5])
+def test_round_order_balances_positions_and_predecessors(count: int) -> None:
+    systems = [f"s{i}" for i in range(count)]
+    cycle = count if count % 2 == 0 else 2 * count
+    rounds = [load_bench().round_order(systems, r) for r in range(cycle)]
+    assert all(sorted(order) == systems for order in rounds)
+    positions = collections.Counter((s, i) for order in rounds for i, s in enumerate(order))
+    follows = collections.Counter(pair for order in rounds for pair in itertools.pairwise(order))
+    # Every system in every position, and directly after every other, equally often.
+    assert len(positions) == count * count and len(set(positions.values())) == 1
+    assert len(follows) == count * (count - 1) and len(set(follows.values())) == 1
 
 
 def test_bad_bucket_size_is_refused() -> None:
@@ -111,11 +150,15 @@ def test_cuda_without_a_gpu_per_rank_is_refused() -> None:
         assert "pass --world-size 1" in proc.stderr
 
 
-def fake_report(path: Path, round_ratios: list[float], **config: Any) -> Path:
+def fake_report(
+    path: Path, round_ratios: list[float], null: list[float] | None = None, **config: Any
+) -> Path:
     """A minimal report in the benchmark's JSON layout, for the pooling mode."""
     cfg = {"steps": 8, "warmup": 2, "batch_size": None, "bucket_cap_mb": None}
     cfg |= {"first_bucket_mb": None, **config}
     result = {"round_ratios": round_ratios, "ratio_of_medians": statistics.median(round_ratios)}
+    if null is not None:
+        result |= {"null_round_ratios": null, "null_ratio_of_medians": statistics.median(null)}
     path.write_text(json.dumps({"config": cfg, "world_size_2": {"transformer": result}}))
     return path
 
@@ -131,14 +174,17 @@ def run_pool(*paths: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_pool_combines_the_round_ratios_of_several_runs(tmp_path: Path) -> None:
-    a = fake_report(tmp_path / "a.json", [0.90, 0.95])
-    b = fake_report(tmp_path / "b.json", [0.97])
+    a = fake_report(tmp_path / "a.json", [0.90, 0.95], null=[1.02, 0.98])
+    b = fake_report(tmp_path / "b.json", [0.97])  # made without --null
     proc = run_pool(a, b)
     assert proc.returncode == 0, proc.stderr
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("transformer"))
-    assert "median of 3 round ratios 0.950" in line
-    assert "95% interval 0.900-0.970, faster" in line
-    assert "ratio of medians per run: 0.925, 0.970" in line
+    lines = proc.stdout.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("transformer"))
+    assert "median of 3 round ratios 0.950" in lines[at]
+    assert "95% interval 0.900-0.970, faster" in lines[at]
+    assert "ratio of medians per run: 0.925, 0.970" in lines[at]
+    assert "torch_ddp_b/torch_ddp: median of 2 round ratios 1.000" in lines[at + 1]
+    assert "(from 1 of the 2 runs)" in lines[at + 1]
 
 
 def test_pool_refuses_runs_made_with_other_options(tmp_path: Path) -> None:
