@@ -6,10 +6,13 @@ LightningModule (BatchNorm, a layer used twice, a layer some ranks skip at some 
 layer no rank runs), automatic or manual optimization, the Trainer's options
 (``max_steps``, ``accumulate_grad_batches``, ``gradient_clip_val``, ``precision``) and the
 options both strategies take (``bucket_cap_mb``, ``find_unused_parameters``,
-``static_graph``, ``gradient_as_bucket_view``, a communication hook). Two CPU ranks fit the
-module once with Lightning's ``DDPStrategy`` and once with ``BucketDDP``, from the same
-seed, through Lightning's own launcher; every rank's parameters and buffers after the fit
-must agree with the other strategy's on that rank (to ``ATOL``), and across the ranks. Buffers
+``static_graph``, ``gradient_as_bucket_view``, a communication hook), and whether the fit
+stops at a step, saves a checkpoint (``Trainer.save_checkpoint``) and goes on in a new
+Trainer from it (``fit(ckpt_path=...)``), the module built anew from other weights. Two CPU
+ranks fit the module once with Lightning's ``DDPStrategy`` and once with ``BucketDDP``, from
+the same seed, through Lightning's own launcher; every rank's parameters and buffers after
+the (last) fit must agree with the other strategy's on that rank (to ``ATOL``), and across
+the ranks. Buffers
 are compared with rank 0's under "ddp": BucketDDP syncs them once more at the end of fit.
 
 Only combinations torch DDP runs are generated: ``find_unused_parameters=True`` whenever a
@@ -75,6 +78,8 @@ class LightningSchedule:
     """``"allreduce"`` or ``"fp16"`` (torch's default hooks), or None."""
     options: dict[str, Any]
     """The keyword arguments both ``DDPStrategy`` and ``BucketDDP`` get."""
+    resume_at: int | None = None
+    """Stop the first fit after this many steps, save a checkpoint, and resume from it."""
 
     def short(self) -> str:
         """A one-line summary: model | strategy options | training loop."""
@@ -94,6 +99,8 @@ class LightningSchedule:
         loop += [f"steps={self.max_steps}", f"acc={self.accumulate}", self.precision]
         if self.clip is not None:
             loop.append(f"clip={self.clip:g}")
+        if self.resume_at is not None:
+            loop.append(f"resume@{self.resume_at}")
         return f"{'+'.join(blocks)} | {' '.join(engine)} | {' '.join(loop)}"
 
 
@@ -107,6 +114,11 @@ def make_schedule(seed: int) -> LightningSchedule:
     # when the first steps run without sync, under Lightning's gradient accumulation or
     # manual optimization's toggle_model: no reference there.
     static = not branch and not manual and accumulate == 1 and rng.random() < 0.3
+    max_steps = rng.randint(2, 4)
+    # Later features draw from streams of their own, so that every earlier draw of a seed
+    # stays what it was.
+    resume = random.Random(f"{seed}/resume")
+    resume_at = resume.randint(1, max_steps - 1) if resume.random() < 0.35 else None
     options = {
         "bucket_cap_mb": rng.choice([25.0, 0.001, 0.0002]),
         "find_unused_parameters": branch or (spare and not static) or rng.random() < 0.2,
@@ -122,13 +134,14 @@ def make_schedule(seed: int) -> LightningSchedule:
         spare=spare,
         manual=manual,
         adam=rng.random() < 0.4,
-        max_steps=rng.randint(2, 4),
+        max_steps=max_steps,
         accumulate=accumulate,
         clip=None if manual or rng.random() < 0.6 else rng.choice([0.05, 1.0]),
         precision=rng.choice(["32-true", "32-true", "bf16-mixed"]),
         batch_size=rng.randint(3, 5),
         hook=rng.choice([None, None, "allreduce", "fp16"]),
         options=options,
+        resume_at=resume_at,
     )
 
 
@@ -189,8 +202,13 @@ def _module(s: LightningSchedule) -> Any:
     return FuzzModule()
 
 
-def fit_pair(s: LightningSchedule) -> dict[str, dict[str, torch.Tensor]]:
-    """Fit the schedule with "ddp" and with BucketDDP on this rank; the state after each."""
+def fit_pair(s: LightningSchedule, ckpt_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Fit the schedule with "ddp" and with BucketDDP on this rank; the state after each.
+
+    With ``resume_at``, each strategy fits that many steps and saves a checkpoint in
+    ``ckpt_dir`` (shared by the ranks); a new Trainer then fits a module built from other
+    weights, from that checkpoint, up to ``max_steps``.
+    """
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -200,15 +218,17 @@ def fit_pair(s: LightningSchedule) -> dict[str, dict[str, torch.Tensor]]:
 
     hooks = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook}
     fn = hooks[s.hook] if s.hook else None
-    out = {}
-    for label in ("ddp", "bucket"):
+
+    def fit(label: str, steps: int, resume_from: Path | None, save_to: Path | None) -> Any:
         if label == "ddp":
             strategy: Any = DDPStrategy(**s.options)
             callbacks: list[pl.Callback] = [RegisterCommHook(fn)] if fn is not None else []
         else:
             strategy = BucketDDP(**s.options, ddp_comm_hook=fn)
             callbacks = []
-        pl.seed_everything(s.seed, verbose=False)
+        # A resumed fit builds its module from other weights: the checkpoint must replace
+        # them.
+        pl.seed_everything(s.seed + (resume_from is not None), verbose=False)
         model = _module(s)
         loop: dict[str, Any] = {}
         if not s.manual:
@@ -217,13 +237,24 @@ def fit_pair(s: LightningSchedule) -> dict[str, dict[str, torch.Tensor]]:
             **QUIET,
             devices=WORLD,
             strategy=strategy,
-            max_steps=s.max_steps,
+            max_steps=steps,
             precision=s.precision,  # type: ignore[arg-type]
             limit_val_batches=0,
             callbacks=callbacks,
             **loop,
         )
-        trainer.fit(model)
+        trainer.fit(model, ckpt_path=resume_from)
+        if save_to is not None:
+            trainer.save_checkpoint(save_to)  # every rank calls it; rank 0 writes
+        return model
+
+    out = {}
+    for label in ("ddp", "bucket"):
+        resume_from = None
+        if s.resume_at is not None:
+            resume_from = ckpt_dir / f"{s.seed}-{label}.ckpt"
+            fit(label, s.resume_at, None, resume_from)
+        model = fit(label, s.max_steps, resume_from, None)
         out[label] = {k: v.detach().clone() for k, v in model.named_parameters()}
         buffers = {f"buffer:{k}": v.detach().clone() for k, v in model.named_buffers()}
         out[label].update(buffers)
@@ -236,7 +267,7 @@ def child(seeds: list[int], out_dir: Path) -> None:
     import logging
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    results = {seed: fit_pair(make_schedule(seed)) for seed in seeds}
+    results = {seed: fit_pair(make_schedule(seed), out_dir) for seed in seeds}
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.save(results, out_dir / f"rank{rank}.pt")
 
