@@ -48,8 +48,10 @@ def test_fuzz_schedules_match_one_process_on_the_global_batch() -> None:
 # layer used twice, one some ranks skip and one no rank runs, resumed from a checkpoint
 # after one step; 15, static_graph with the fp16 hook, a layer used twice and one no rank
 # runs; 49, bf16-mixed with BatchNorm, the rank-dependent layer, allreduce_hook and
-# clipping; 7, accumulate_grad_batches=2 with BatchNorm, resumed after three steps.
-LIGHTNING_SEEDS = (4, 15, 49, 7)
+# clipping; 7, accumulate_grad_batches=2 with BatchNorm, resumed after three steps; 100,
+# three ranks (a launch of its own), BatchNorm, allreduce_hook, Adam, accumulation and
+# clipping, resumed after two steps.
+LIGHTNING_SEEDS = (4, 15, 49, 7, 100)
 
 
 def test_the_lightning_smoke_seeds_cover_the_main_features() -> None:
@@ -61,6 +63,7 @@ def test_the_lightning_smoke_seeds_cover_the_main_features() -> None:
     assert any(s.clip is not None for s in drawn)
     assert {s.hook for s in drawn} >= {"fp16", "allreduce"}
     assert any(s.resume_at is not None and s.bn for s in drawn)
+    assert {s.world for s in drawn} == {2, 3}
     assert all(any(getattr(s, f) for s in drawn) for f in ("bn", "twice", "branch", "spare"))
 
 
