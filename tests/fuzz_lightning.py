@@ -116,11 +116,8 @@ def make_schedule(seed: int) -> LightningSchedule:
     # when the first steps run without sync, under Lightning's gradient accumulation or
     # manual optimization's toggle_model: no reference there.
     static = not branch and not manual and accumulate == 1 and rng.random() < 0.3
-    max_steps = rng.randint(2, 4)
     # Later features draw from streams of their own, so that every earlier draw of a seed
     # stays what it was.
-    resume = random.Random(f"{seed}/resume")
-    resume_at = resume.randint(1, max_steps - 1) if resume.random() < 0.35 else None
     world = 3 if random.Random(f"{seed}/world").random() < 0.25 else 2
     options = {
         "bucket_cap_mb": rng.choice([25.0, 0.001, 0.0002]),
@@ -137,16 +134,18 @@ def make_schedule(seed: int) -> LightningSchedule:
         spare=spare,
         manual=manual,
         adam=rng.random() < 0.4,
-        max_steps=max_steps,
+        max_steps=rng.randint(2, 4),
         accumulate=accumulate,
         clip=None if manual or rng.random() < 0.6 else rng.choice([0.05, 1.0]),
         precision=rng.choice(["32-true", "32-true", "bf16-mixed"]),
         batch_size=rng.randint(3, 5),
         hook=rng.choice([None, None, "allreduce", "fp16"]),
         options=options,
-        resume_at=resume_at,
         world=world,
     )
+    resume = random.Random(f"{seed}/resume")
+    if resume.random() < 0.35:
+        drawn = replace(drawn, resume_at=resume.randint(1, drawn.max_steps - 1))
     if world > 2 and drawn.hook == "fp16":
         # torch DDP's first step reduces one bucket in registration order, bucketddp its
         # planned buckets in reverse order. At three ranks or more, gloo adds the three fp16

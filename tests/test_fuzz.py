@@ -48,9 +48,9 @@ def test_fuzz_schedules_match_one_process_on_the_global_batch() -> None:
 # layer used twice, one some ranks skip and one no rank runs, resumed from a checkpoint
 # after one step; 15, static_graph with the fp16 hook, a layer used twice and one no rank
 # runs; 49, bf16-mixed with BatchNorm, the rank-dependent layer, allreduce_hook and
-# clipping; 7, accumulate_grad_batches=2 with BatchNorm, resumed after three steps; 100,
-# three ranks (a launch of its own), BatchNorm, allreduce_hook, Adam, accumulation and
-# clipping, resumed after two steps.
+# clipping; 7, accumulate_grad_batches=2 with BatchNorm, resumed after one step; 100,
+# three ranks (a launch of its own), BatchNorm, allreduce_hook, bf16-mixed and
+# accumulate_grad_batches=3, resumed after two steps.
 LIGHTNING_SEEDS = (4, 15, 49, 7, 100)
 
 
