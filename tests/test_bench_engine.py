@@ -92,7 +92,8 @@ def test_first_bucket_comm_hook_and_null_options_reach_the_run(tmp_path: Path) -
 
 @functools.cache
 def load_bench() -> Any:
-    """The benchmark script as a module (its folder on the path, for ``models``)."""
+    """The benchmark script as a module, importing its own ``models`` (not the tests')."""
+    saved = sys.modules.pop("models", None)  # tests/models.py, if a test imported it
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
@@ -102,6 +103,9 @@ def load_bench() -> Any:
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(SCRIPT.parent))
+        sys.modules.pop("models", None)
+        if saved is not None:
+            sys.modules["models"] = saved
     return module
 
 
