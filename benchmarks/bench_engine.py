@@ -632,16 +632,16 @@ def pool_reports(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any
             for model, res in report.get(section, {}).items():
                 if "round_ratios" not in res:
                     continue
-                entry = pooled.setdefault(section, {}).setdefault(
-                    model, {"runs": 0, "round_ratios": [], "ratio_of_medians": []}
-                )
+                entry = pooled.setdefault(section, {}).setdefault(model, {"runs": 0})
                 entry["runs"] += 1
-                for prefix in ("", "null_"):
+                for prefix in ("", "null_"):  # bucketddp's ratios, then the null's if run
                     if f"{prefix}round_ratios" in res:
-                        entry.setdefault(f"{prefix}round_ratios", [])
-                        entry.setdefault(f"{prefix}ratio_of_medians", [])
-                        entry[f"{prefix}round_ratios"] += res[f"{prefix}round_ratios"]
-                        entry[f"{prefix}ratio_of_medians"].append(res[f"{prefix}ratio_of_medians"])
+                        entry.setdefault(f"{prefix}round_ratios", []).extend(
+                            res[f"{prefix}round_ratios"]
+                        )
+                        entry.setdefault(f"{prefix}ratio_of_medians", []).append(
+                            res[f"{prefix}ratio_of_medians"]
+                        )
     for models in pooled.values():
         for entry in models.values():
             for prefix in ("", "null_"):
