@@ -214,7 +214,7 @@ class BucketDataParallel(nn.Module, Joinable):
             self.reducer.discard_step()
         if self._join_config.enable:
             self._join_step()
-        elif self._sync_buffers_next:
+        elif self._sync_buffers_next and self.buffers_sync.needed:
             self.buffers_sync.sync()
         self.reducer.watch_requires_grad()
         grad_enabled = torch.is_grad_enabled()

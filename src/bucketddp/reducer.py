@@ -47,7 +47,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from .buckets import BucketPlan, ParamInfo, cap_bytes, plan_buckets
-from .comm import all_reduce_coalesced
+from .comm import AsyncSum, all_reduce_coalesced, on_wire
 from .comm_hooks import CommHook, GradBucket, call_after, hook_result, run_hook
 
 log = logging.getLogger(__name__)
@@ -218,6 +218,8 @@ class Reducer:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        # The bucket all-reduces, launched from inside backward (see comm.AsyncSum).
+        self._all_reduce = AsyncSum(process_group)
         # A static graph may leave parameters unused, as torch DDP allows.
         self.find_unused_parameters = find_unused_parameters or static_graph
         self.static_graph = static_graph
@@ -770,9 +772,7 @@ class Reducer:
                     self._launch_sparse()
                 self._write_flags()
             if self._comm_hook is None:
-                bucket.work = dist.all_reduce(
-                    bucket.storage, group=self.process_group, async_op=True
-                )
+                bucket.work = self._all_reduce(on_wire(bucket.storage))
             else:
                 self._launch_hook(bucket)
             self._next += 1
