@@ -80,6 +80,9 @@ class Config:
     """A key of COMM_HOOKS registered on both wrappers; None for their own all-reduce."""
     device: str = "cpu"
     """"cpu" (gloo) or "cuda" (NCCL, one GPU per rank)."""
+    malloc_mmap_kb: int | None = None
+    """CPU memory runs: glibc maps each allocation of at least this many KiB on its own and
+    returns it when freed (see ``exact_malloc``); None leaves the allocator as it is."""
 
 
 COMM_HOOKS = {
@@ -344,6 +347,38 @@ def _rss_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def exact_malloc(threshold_kb: int) -> None:
+    """Make glibc map each allocation of ``threshold_kb`` KiB or more on its own, and unmap it
+    when freed; heap memory above the top is returned at once.
+
+    With glibc's defaults, a freed block is kept for reuse and the mmap threshold grows with
+    the blocks freed, so a process's peak RSS depends on the order of its allocations as
+    much as on their sizes: a few MB either way between fresh processes running the same
+    code. With this, RSS follows the memory in use, and the pairs agree to a fraction of a
+    MB. Linux with glibc only; raises RuntimeError elsewhere.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    mallopt = getattr(libc, "mallopt", None)
+    trim = getattr(libc, "malloc_trim", None)
+    # mallopt's parameter numbers, from glibc's malloc.h.
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if (
+        mallopt is None
+        or trim is None
+        or mallopt(m_mmap_threshold, threshold_kb * 1024) != 1
+        or mallopt(m_trim_threshold, 0) != 1
+    ):
+        raise RuntimeError(
+            "--malloc-mmap-kb needs glibc's mallopt (Linux); this C library has none or "
+            "refused the threshold. Run without --malloc-mmap-kb here."
+        )
+    trim(0)
+
+
 def _reset_peak_rss() -> bool:
     """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0); False if unsupported."""
     try:
@@ -382,6 +417,8 @@ def measure_memory(
             "delta_mb": (peak - base) / 2**20,
             "peak_reset": True,
         }
+    if cfg.malloc_mmap_kb is not None:
+        exact_malloc(cfg.malloc_mmap_kb)
     reset = _reset_peak_rss()
     baseline_kb = _rss_kb()
     wrapped = wrap(system, model, cfg)
@@ -393,6 +430,7 @@ def measure_memory(
         "peak_mb": peak_kb / 1024,
         "delta_mb": (peak_kb - baseline_kb) / 1024,
         "peak_reset": reset,
+        "malloc_mmap_kb": cfg.malloc_mmap_kb,
     }
 
 
@@ -769,6 +807,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "torch_ddp is the noise floor of the comparison",
     )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    p.add_argument(
+        "--malloc-mmap-kb",
+        type=int,
+        metavar="KB",
+        help="CPU memory runs only: have glibc map every allocation of KB KiB or more on its "
+        "own and return it when freed, so that peak RSS follows the memory in use instead "
+        "of the allocator's reuse (64 is a good value; Linux with glibc)",
+    )
     p.add_argument("--memory-steps", type=int, help="steps per memory run (default 4; quick 2)")
     p.add_argument(
         "--memory-repeats",
@@ -796,6 +842,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for key, (full, quick) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
+    if args.malloc_mmap_kb is not None and args.malloc_mmap_kb < 1:
+        p.error(f"--malloc-mmap-kb must be at least 1, got {args.malloc_mmap_kb}")
+    if args.malloc_mmap_kb is not None and args.device == "cuda":
+        p.error("--malloc-mmap-kb tunes the CPU allocator; --device cuda measures GPU memory")
     counts = (args.rounds, args.steps, args.memory_steps, args.memory_repeats)
     if min(counts) < 1 or args.warmup < 0:
         p.error(
@@ -832,6 +882,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.first_bucket_mb,
         args.comm_hook,
         args.device,
+        args.malloc_mmap_kb,
     )
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     gpu = torch.cuda.get_device_name(0) if cfg.device == "cuda" else None
@@ -903,6 +954,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"peak MB: peak {'GPU memory allocated' if gpu else 'RSS'} growth over the built "
         "model (fresh process pairs, max over ranks, median over pairs), "
         "in brackets its difference to local"
+        + (
+            f"; glibc maps allocations of {cfg.malloc_mmap_kb} KiB and up on their own"
+            if cfg.malloc_mmap_kb is not None
+            else ""
+        )
     )
     print(
         f"load average {report['meta']['loadavg_start']} -> {report['meta']['loadavg_end']}; "

@@ -75,12 +75,17 @@ def test_a_bucket_cap_gives_both_engines_the_same_buckets(tmp_path: Path) -> Non
     assert theirs[0] > 1.5  # not a 1 MB first bucket
 
 
-def test_first_bucket_comm_hook_and_null_options_reach_the_run(tmp_path: Path) -> None:
+def test_first_bucket_comm_hook_null_and_malloc_options_reach_the_run(tmp_path: Path) -> None:
     # One bucket with a hook: one call for the bucket and the flags' own all-reduce. torch
     # DDP takes the same hook (it would raise on an unknown one), and so does the null
     # system, a second torch DDP.
+    # The memory pairs run under --malloc-mmap-kb, which every rank must apply.
     extra = ["--first-bucket-mb", "25", "--comm-hook", "fp16", "--null"]
-    result = run_bench(tmp_path, *extra)
+    memory_args = ["--memory-steps", "1", "--memory-repeats", "1", "--malloc-mmap-kb", "64"]
+    short = [a for a in SHORT if a != "--no-memory"]
+    result = run_bench(tmp_path, *extra, *memory_args, short=short)
+    memory = json.loads((tmp_path / "engine.json").read_text())["memory_world_size_2"]
+    assert {s["malloc_mmap_kb"] for s in memory["transformer"].values()} == {64}
     assert result["bucketddp_buckets"] == 1
     assert result["bucketddp_collectives"] == 2
     assert set(result["systems"]) == {"local", "torch_ddp", "bucketddp", "torch_ddp_b"}
