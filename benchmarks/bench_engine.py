@@ -842,10 +842,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for key, (full, quick) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
-    if args.malloc_mmap_kb is not None and args.malloc_mmap_kb < 1:
-        p.error(f"--malloc-mmap-kb must be at least 1, got {args.malloc_mmap_kb}")
-    if args.malloc_mmap_kb is not None and args.device == "cuda":
-        p.error("--malloc-mmap-kb tunes the CPU allocator; --device cuda measures GPU memory")
+    if args.malloc_mmap_kb is not None:
+        if args.malloc_mmap_kb < 1:
+            p.error(f"--malloc-mmap-kb must be at least 1, got {args.malloc_mmap_kb}")
+        if args.device == "cuda":
+            p.error("--malloc-mmap-kb tunes the CPU allocator; --device cuda measures GPU memory")
     counts = (args.rounds, args.steps, args.memory_steps, args.memory_repeats)
     if min(counts) < 1 or args.warmup < 0:
         p.error(

@@ -24,6 +24,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_engine.py"
 # Three steps in all: torch DDP reports its rebuilt buckets from its third forward on.
 SHORT = ["--rounds", "1", "--steps", "1", "--warmup", "2", "--world-size", "2", "--no-memory"]
+WITH_MEMORY = [a for a in SHORT if a != "--no-memory"]
 
 
 def run_bench(tmp_path: Path, *extra: str, short: list[str] = SHORT) -> dict[str, Any]:
@@ -46,7 +47,7 @@ def test_default_buckets_match_torch_ddp_and_peak_memory_is_the_median_of_fresh_
     # then the memory pairs (a fresh pair of processes per system and repeat).
     out = tmp_path / "engine.json"
     memory_args = ["--memory-steps", "1", "--memory-repeats", "3"]
-    result = run_bench(tmp_path, *memory_args, short=[a for a in SHORT if a != "--no-memory"])
+    result = run_bench(tmp_path, *memory_args, short=WITH_MEMORY)
     memory = json.loads(out.read_text())["memory_world_size_2"]["transformer"]
     assert set(memory) == {"local", "torch_ddp", "bucketddp"}
     for system in memory.values():
@@ -82,8 +83,7 @@ def test_first_bucket_comm_hook_null_and_malloc_options_reach_the_run(tmp_path: 
     # The memory pairs run under --malloc-mmap-kb, which every rank must apply.
     extra = ["--first-bucket-mb", "25", "--comm-hook", "fp16", "--null"]
     memory_args = ["--memory-steps", "1", "--memory-repeats", "1", "--malloc-mmap-kb", "64"]
-    short = [a for a in SHORT if a != "--no-memory"]
-    result = run_bench(tmp_path, *extra, *memory_args, short=short)
+    result = run_bench(tmp_path, *extra, *memory_args, short=WITH_MEMORY)
     memory = json.loads((tmp_path / "engine.json").read_text())["memory_world_size_2"]
     assert {s["malloc_mmap_kb"] for s in memory["transformer"].values()} == {64}
     assert result["bucketddp_buckets"] == 1
