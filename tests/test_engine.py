@@ -269,6 +269,39 @@ def test_grads_are_bucket_views(set_to_none: bool) -> None:
         assert all(dt == torch.float32 for n, dt in dtypes.items() if not n.startswith("b."))
 
 
+def _uneven_accumulation(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 accumulates two no_sync() micro-batches before the first synced backward."""
+    out: dict[str, Any] = {}
+    for wrap in (BucketDataParallel, DDP):
+        model = build("mlp")
+        ddp = wrap(model, **TINY) if wrap is BucketDataParallel else wrap(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(3):
+            for micro in range(2 if rank == 0 and step == 0 else 0):
+                with ddp.no_sync():
+                    x, y = batch("mlp", 10 + micro, rank)
+                    F.mse_loss(ddp(x), y).backward()
+            x, y = batch("mlp", step, rank)
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[wrap.__name__] = [p.detach().clone() for p in model.parameters()]
+        if isinstance(ddp, BucketDataParallel):
+            out["plan"] = [b.names for b in ddp.bucket_plan]
+    return out
+
+
+def test_uneven_no_sync_before_the_first_sync_rebuilds_alike_and_matches_torch_ddp() -> None:
+    # The observed order spans every backward up to the first synced one, so the ranks saw
+    # different numbers of gradients: the rebuild must still send rank 0's order in a
+    # tensor of the same size on every rank (sent with repeats, gloo aborts on the sizes).
+    results = run_ranks(_uneven_accumulation, 2)
+    assert results[0]["plan"] == results[1]["plan"]
+    for r in results:
+        for ours, theirs in zip(r["BucketDataParallel"], r["DistributedDataParallel"], strict=True):
+            torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+
+
 def _layouts(rank: int, world: int) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -375,17 +375,24 @@ class Reducer:
             flags = self._bind_flags()
             # What the agreement part holds, before and after the sum, when exactly the
             # planned parameters require a gradient on every rank and no module changed.
-            mask = torch.zeros(len(self._all_params) + 2, dtype=flags.dtype, device=flags.device)
-            mask[self._members] = 1
-            self._agreed_summed = _summed(mask) * self.world_size
+            # (Built from Python lists: each torch operation that training never calls,
+            # indexing say, pages in its code, which counts in the resident memory.)
+            inside = set(self._members)
+            mask = [float(j in inside) for j in range(len(self._all_params) + 2)]
+            world = self.world_size
+            self._agreed_summed = torch.tensor(
+                [m * world for m in mask], dtype=torch.float64, device=flags.device
+            )
             # This rank's row when every planned parameter got its gradient and nothing
             # changed (counts: none missing, or every one used), and with one row, the sum
             # over ranks then: comparing the summed flags with it is the whole check.
-            counts = torch.full(
-                (n,), float(self.find_unused_parameters), dtype=flags.dtype, device=flags.device
+            row = [float(self.find_unused_parameters)] * n + mask
+            self._row_as_planned = torch.tensor(row, dtype=flags.dtype, device=flags.device)
+            self._sum_as_planned = (
+                torch.tensor([r * world for r in row], dtype=flags.dtype, device=flags.device)
+                if rows == 1
+                else None
             )
-            self._row_as_planned = torch.cat([counts, mask])
-            self._sum_as_planned = self._row_as_planned * self.world_size if rows == 1 else None
         self._dense_bytes = sum(_nbytes(b.storage) for b in buckets)
         for bucket in buckets:
             bucket.own = _tensors_on(bucket.storage)
@@ -495,13 +502,20 @@ class Reducer:
     def _rebuild_from_observed(self) -> None:
         """Replace the initial plan by one built from rank 0's observed ready order."""
         assert self._observed is not None
-        order = [self._names[i] for i in self._observed]
+        # First gradients first: the order spans the no_sync() backward passes before the
+        # first synced one, so a parameter may appear more than once.
+        observed = list(dict.fromkeys(self._observed))
         self._observed = None
         if self.world_size > 1:
-            box: list[object] = [order]
-            dist.broadcast_object_list(box, src=self._global_rank(0), group=self.process_group)
-            order = box[0]  # type: ignore[assignment]
-        plan = self._plan(order)
+            # Rank 0's order, as indices in one tensor: every rank plans the same parameters,
+            # and parameters unseen in the observed backward follow in reverse registration
+            # order, as the planner puts them.
+            seen = set(observed)
+            full = observed + [i for i in reversed(range(len(self._names))) if i not in seen]
+            indices = torch.tensor(full, dtype=torch.int64, device=self._flag_table.device)
+            dist.broadcast(indices, src=self._global_rank(0), group=self.process_group)
+            observed = indices.tolist()
+        plan = self._plan([self._names[i] for i in observed])
         if [b.names for b in plan] == [b.names for b in self.plan]:
             self.plan = plan  # same buckets: keep the storage, remember the order
         else:
