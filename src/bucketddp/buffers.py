@@ -30,7 +30,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from . import _structure
-from .comm import FlatTensors, all_reduce_coalesced, all_reduce_packed, broadcast_packed
+from .comm import (
+    FlatTensors,
+    all_reduce_coalesced,
+    all_reduce_packed,
+    broadcast_packed,
+    gather_if_different,
+    module_device,
+)
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +303,7 @@ class BufferSync:
             policies = self._resolve(module, rules, default)
         except Exception as exc:  # reported to every rank by _agree
             error = exc
-        self.policies = _agree(policies, error, process_group)
+        self.policies = _agree(policies, error, process_group, module_device(module, process_group))
         self._deviation: dict[str, str] = {}
         self._agree_on({n: self._get(n) for n in self.policies})
         self.reset_baseline()
@@ -817,9 +824,17 @@ def _register_load_pre_hook(module: nn.Module, hook: Callable[..., None]) -> Rem
 
 
 def _agree(
-    policies: dict[str, Policy], error: Exception | None, group: dist.ProcessGroup | None
+    policies: dict[str, Policy],
+    error: Exception | None,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
 ) -> dict[str, Policy]:
-    """Raise on every rank if any rank failed to resolve, or resolved differently."""
+    """Raise on every rank if any rank failed to resolve, or resolved differently.
+
+    The ranks compare fingerprints first (on ``device``), and their outcomes only if those
+    differ (see ``gather_if_different``): every rank raises, its own error where they all
+    failed alike, or the first rank's error or difference otherwise.
+    """
     world = dist.get_world_size(group)
     if world == 1:
         if error is not None:
@@ -830,10 +845,11 @@ def _agree(
         if error is not None
         else ("ok", {n: policy_label(p) for n, p in policies.items()})
     )
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered: list[Any] | None = gather_if_different(mine, group, device)
     if error is not None:
         raise error
+    if gathered is None:
+        return policies
     for rank, (kind, payload) in enumerate(gathered):
         if kind == "error":
             exc_name, message = payload

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import _structure
 from .buckets import BucketPlan, check_bucket_sizes
 from .buffers import BufferSync, Policy
-from .comm import IGNORED_KIND, broadcast_coalesced, verify_same_model
+from .comm import IGNORED_KIND, broadcast_coalesced, module_device, verify_same_model
 from .comm_hooks import CommHook
 from .join import BucketJoinHook, check_joinable, exchange_header, header
 from .reducer import NO_TRAINABLE, CommStats, Reducer
@@ -143,7 +143,11 @@ class BucketDataParallel(nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
 
         self.parameters_to_ignore = ignored_names(module)
-        verify_same_model(_signature(module, self.parameters_to_ignore), process_group)
+        verify_same_model(
+            _signature(module, self.parameters_to_ignore),
+            process_group,
+            module_device(module, process_group),
+        )
         # The ranks agree on requires_grad now (it is part of the signature): refused on
         # every rank alike, before anything is broadcast.
         if not any(p.requires_grad for _, p in self._named_parameters()):
