@@ -233,19 +233,19 @@ def module_device(module: torch.nn.Module, group: dist.ProcessGroup | None) -> t
 
 def verify_same_model(
     signature: list[tuple[str, str, tuple[int, ...], str]],
-    group: dist.ProcessGroup | None = None,
-    device: torch.device | None = None,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
 ) -> None:
     """Raise on every rank if any rank's (kind, name, shape, dtype) list differs from rank 0's.
 
     Every rank takes part in the same collectives (see ``gather_if_different``; ``device``
-    is where its tensors go, the CPU by default), so a mismatch is reported everywhere
-    and no rank is left waiting in a later collective.
+    is where its tensors go), so a mismatch is reported everywhere and no rank is left
+    waiting in a later collective.
     """
     world = dist.get_world_size(group)
     if world == 1:
         return
-    gathered = gather_if_different(signature, group, device or torch.device("cpu"))
+    gathered = gather_if_different(signature, group, device)
     if gathered is None:
         return
     reference = gathered[0]

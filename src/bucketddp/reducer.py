@@ -502,20 +502,18 @@ class Reducer:
     def _rebuild_from_observed(self) -> None:
         """Replace the initial plan by one built from rank 0's observed ready order."""
         assert self._observed is not None
-        # First gradients first: the order spans the no_sync() backward passes before the
-        # first synced one, so a parameter may appear more than once.
-        observed = list(dict.fromkeys(self._observed))
+        # The order spans the no_sync() backward passes before the first synced one, so a
+        # parameter may appear in it more than once: the planner keeps first occurrences.
+        order = [self._names[i] for i in self._observed]
         self._observed = None
         if self.world_size > 1:
-            # Rank 0's order, as indices in one tensor: every rank plans the same parameters,
-            # and parameters unseen in the observed backward follow in reverse registration
-            # order, as the planner puts them.
-            seen = set(observed)
-            full = observed + [i for i in reversed(range(len(self._names))) if i not in seen]
+            # Rank 0's order as the planner completes it (every planned parameter once, so
+            # the same length on every rank), sent as parameter indices in one tensor.
+            full = [self._index[n] for n in self._plan(order).order]
             indices = torch.tensor(full, dtype=torch.int64, device=self._flag_table.device)
             dist.broadcast(indices, src=self._global_rank(0), group=self.process_group)
-            observed = indices.tolist()
-        plan = self._plan([self._names[i] for i in observed])
+            order = [self._names[i] for i in indices.tolist()]
+        plan = self._plan(order)
         if [b.names for b in plan] == [b.names for b in self.plan]:
             self.plan = plan  # same buckets: keep the storage, remember the order
         else:
