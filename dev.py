@@ -30,8 +30,8 @@ COMMANDS = {
     "demo": [["examples/demo.py"]],
     "test": [["-m", "pytest", "-q"]],
     "bench": [["benchmarks/bench_engine.py"]],
-    "fuzz": [["tests/fuzz_engine.py"]],
-    "fuzz-lightning": [["tests/fuzz_lightning.py"]],
+    "fuzz": [["tests/support/fuzz_engine.py"]],
+    "fuzz-lightning": [["tests/support/fuzz_lightning.py"]],
     "lint": [
         ["-m", "ruff", "check", "src", "tests", "examples", "benchmarks", "dev.py"],
         ["-m", "mypy"],

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
 from bucketddp.parallel import input_device, to_device
+from engine_cases import CASES, TINY, assert_same_as_ddp, train_both
 from models import (
     assert_pairs_match,
     assert_weights,
@@ -32,94 +33,16 @@ from models import (
 )
 from multirank import RankError, raised, run_ranks
 
-TINY = {"bucket_cap_mb": 0.002, "first_bucket_mb": 0.0005}  # ~500 and ~130 floats
-
-
-def _compare(rank: int, world: int, name: str, opts: dict[str, Any], kw: dict[str, Any]) -> Any:
-    """Train the same model with both systems in one group; return both final states."""
-    torch_opts = {
-        k: v for k, v in opts.items() if k in ("find_unused_parameters", "gradient_as_bucket_view")
-    }
-    ours = train(name, partial(BucketDataParallel, **opts), rank, **kw)
-    theirs = train(name, partial(DDP, **torch_opts), rank, **kw)
-    plan = [b.names for b in ours["wrapped"].bucket_plan]
-    return {
-        "ours": ours["params"],
-        "theirs": theirs["params"],
-        "ours_buf": ours["buffers"],
-        "theirs_buf": theirs["buffers"],
-        "plan": plan,
-    }
-
-
-def _assert_same(results: list[dict[str, Any]], tol: float = 1e-6) -> None:
-    for rank, r in enumerate(results):
-        assert r["ours"].keys() == r["theirs"].keys()
-        for n in r["theirs"]:
-            diff = (r["ours"][n] - r["theirs"][n]).abs().max().item()
-            assert diff <= tol, f"rank {rank} parameter {n}: differs from torch DDP by {diff}"
-        for n in r["theirs_buf"]:
-            assert torch.equal(r["ours_buf"][n], r["theirs_buf"][n]), f"buffer {n} differs"
-    # Every rank ends with the same weights and the same plan.
-    for r in results[1:]:
-        for n in r["ours"]:
-            assert torch.equal(r["ours"][n], results[0]["ours"][n])
-        assert r["plan"] == results[0]["plan"]
-
-
-def _left_on_even(rank: int, step: int) -> bool:
-    return (rank + step) % 2 == 0
-
-
-def _right_only_early_on_rank1(rank: int, step: int) -> bool:
-    # "right" is used by rank 1 in steps 0-1, then by no rank: its gradient must stay None
-    # (so momentum SGD skips it), as torch DDP leaves globally unused gradients untouched.
-    return rank == 0 or step >= 2
-
-
-CASES = {
-    "mlp": ("mlp", {}, {}),
-    "conv": ("conv", {}, {}),
-    "tied": ("tied", {}, {}),
-    "frozen": ("frozen", {}, {}),
-    "activation_checkpointing": ("checkpointed", TINY, {}),
-    "reentrant_checkpointing": ("reentrant", TINY, {}),
-    "mixed_dtype": ("mixed", TINY, {}),
-    "tiny_buckets": ("mlp", TINY, {}),
-    "no_view": ("mlp", {"gradient_as_bucket_view": False}, {}),
-    "zero_grad_keep": ("conv", TINY, {"set_to_none": False}),
-    "channels_last": ("channels_last", {}, {}),
-    "reparametrized": ("reparametrized", TINY, {}),
-    "recurrent": ("recurrent", TINY, {}),
-    "channels_last_grads_kept": ("channels_last", TINY, {"set_to_none": False}),
-    "no_sync_accumulation": ("mlp", TINY, {"accumulate": 3}),
-    "unused_by_rank": (
-        "branchy",
-        {"find_unused_parameters": True, **TINY},
-        {"branch": _left_on_even},
-    ),
-    "unused_later_globally": (
-        "branchy",
-        {"find_unused_parameters": True, **TINY},
-        {"branch": _right_only_early_on_rank1},
-    ),
-    "unused_by_rank_no_view": (
-        "branchy",
-        {"find_unused_parameters": True, "gradient_as_bucket_view": False},
-        {"branch": _left_on_even},
-    ),
-}
-
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_torch_ddp(case: str) -> None:
     name, opts, kw = CASES[case]
-    _assert_same(run_ranks(_compare, 2, name, opts, kw))
+    assert_same_as_ddp(run_ranks(train_both, 2, name, opts, kw))
 
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_matches_torch_ddp_other_world_sizes(world: int) -> None:
-    _assert_same(run_ranks(_compare, world, "mlp", TINY, {}))
+    assert_same_as_ddp(run_ranks(train_both, world, "mlp", TINY, {}))
 
 
 def _subgroups(rank: int, world: int) -> dict[str, Any]:
@@ -426,12 +349,12 @@ def _rows_forced(rank: int, world: int, case: str) -> Any:
     split_flags(lambda world_size: min(2, world_size))
     if case == "unused_error":
         return _unused_error(rank, world)
-    return _compare(rank, world, *CASES[case])
+    return train_both(rank, world, *CASES[case])
 
 
 @pytest.mark.parametrize(("case", "world"), [("unused_by_rank", 3), ("frozen", 2)])
 def test_flags_in_several_rows_give_the_weights_of_torch_ddp(case: str, world: int) -> None:
-    _assert_same(run_ranks(_rows_forced, world, case))
+    assert_same_as_ddp(run_ranks(_rows_forced, world, case))
 
 
 def test_flags_in_several_rows_still_name_unused_parameters() -> None:
@@ -642,8 +565,8 @@ def test_bad_bucket_size_is_rejected() -> None:
     ],
 )
 def test_torch_ddp_bucket_sizes_are_accepted(caps: dict[str, Any], per_bucket: int | None) -> None:
-    results = run_ranks(_compare, 2, "mlp", caps, {})
-    _assert_same(results)
+    results = run_ranks(train_both, 2, "mlp", caps, {})
+    assert_same_as_ddp(results)
     plan = results[0]["plan"]
     if per_bucket is None:
         assert len(plan) == 1

@@ -1,8 +1,8 @@
 """BucketDDP under Lightning, on real multi-process runs.
 
-Each multi-process check runs a scenario of tests/lightning_scenarios.py as a script, so that
-Lightning's own launchers (subprocess, spawn, torchrun) start the ranks just as they do for
-a user's training script. A scenario runs several Trainers in the same processes and every
+Each multi-process check runs a scenario of tests/support/lightning_scenarios.py as a script,
+so that Lightning's own launchers (subprocess, spawn, torchrun) start the ranks just as they
+do for a user's training script. A scenario runs several Trainers in the same processes and every
 rank saves what it saw; the tests below read those results. The ground truth is Lightning's
 own ``strategy="ddp"`` on the same seed, and, for resume, the run that never stopped.
 """
@@ -21,73 +21,12 @@ import pytest
 import torch
 from packaging.version import Version
 
+from lightning_runs import ROOT, SCENARIOS, assert_same, moved, run_script, scenario
 from multirank import free_port
 
 lightning = pytest.importorskip("lightning")
 
-TESTS = Path(__file__).resolve().parent
-SCENARIOS = TESTS / "lightning_scenarios.py"
-ROOT = TESTS.parent
 ADDED_PER_STEP = 3  # lightning_models.ADDED_PER_STEP, without importing Lightning here
-
-
-def run_script(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> str:
-    """Run ``cmd`` in a session of its own and wait for every process it started.
-
-    The output pipe reaches EOF only once the ranks a launcher started have exited too, so
-    their exit is checked as well: no run may end in "terminate called" (SIGABRT).
-    """
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-        cwd=ROOT,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{cmd[1:3]} did not finish within {timeout:.0f}s:\n{_tail(out)}")
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, f"{cmd[1:3]} exited with {proc.returncode}:\n{_tail(out)}"
-    assert "terminate called" not in text, _tail(out)
-    return text
-
-
-def _tail(out: bytes, n: int = 6000) -> str:
-    return out.decode(errors="replace")[-n:]
-
-
-def scenario(
-    name: str, out: Path, *extra: str, timeout: float = 240, env: dict[str, str] | None = None
-) -> list[dict[str, Any]]:
-    """Run one scenario; returns what each rank saved, in rank order."""
-    run_script([sys.executable, str(SCENARIOS), name, str(out), *extra], timeout=timeout, env=env)
-    files = sorted(out.glob(f"{name}.rank*.pt"))
-    assert files, f"scenario {name} saved no results in {out}"
-    return [torch.load(f, weights_only=False) for f in files]
-
-
-def assert_same(
-    a: dict[str, torch.Tensor],
-    b: dict[str, torch.Tensor],
-    tol: float = 0.0,
-    skip: tuple[str, ...] = (),
-) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        if any(s in name for s in skip):
-            continue
-        x, y = a[name].double(), b[name].double()
-        worst = float((x - y).abs().max()) if x.numel() else 0.0
-        assert worst <= tol, f"{name} differs by {worst:.3g}"
-
-
-def moved(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return any(not torch.equal(a[n], b[n]) for n in a if a[n].is_floating_point())
 
 
 # ------------------------------------------------------------------ in-process checks

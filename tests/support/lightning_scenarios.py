@@ -1,6 +1,6 @@
-"""Lightning runs for tests/test_strategy.py, each a standalone script.
+"""Lightning runs for tests/lightning/test_strategy.py, each a standalone script.
 
-    python tests/lightning_scenarios.py SCENARIO OUT_DIR [CHECKPOINT]
+    python tests/support/lightning_scenarios.py SCENARIO OUT_DIR [CHECKPOINT]
 
 A scenario builds ``Trainer(accelerator="cpu", devices=N, ...)`` and lets Lightning's own
 launcher start the other ranks (it re-runs this script with the same arguments), exactly

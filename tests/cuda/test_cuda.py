@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from bucketddp import BucketDataParallel, convert_sync_batchnorm, revert_sync_batchnorm
+from engine_cases import CASES, TINY, assert_same_as_ddp, train_both
+from lightning_runs import SCENARIOS, assert_same, moved, run_script
 from multirank import run_ranks
-from test_engine import CASES, TINY, _assert_same, _compare
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -31,7 +32,7 @@ BACKEND = "nccl" if TWO_GPUS else "gloo"
 def _on_cuda(rank: int, world: int, name: str, opts: dict[str, Any], kw: dict[str, Any]) -> Any:
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
-    return _compare(rank, world, name, opts, {**kw, "device": "cuda"})
+    return train_both(rank, world, name, opts, {**kw, "device": "cuda"})
 
 
 @pytest.mark.parametrize(
@@ -50,11 +51,11 @@ def _on_cuda(rank: int, world: int, name: str, opts: dict[str, Any], kw: dict[st
 )
 def test_matches_torch_ddp_on_cuda(case: str) -> None:
     name, opts, kw = CASES[case]
-    _assert_same(run_ranks(_on_cuda, 2, name, opts, kw, backend=BACKEND, timeout=180))
+    assert_same_as_ddp(run_ranks(_on_cuda, 2, name, opts, kw, backend=BACKEND, timeout=180))
 
 
 def test_nccl_at_world_size_1_matches_torch_ddp() -> None:
-    _assert_same(run_ranks(_on_cuda, 1, "mlp", TINY, {}, backend="nccl", timeout=180))
+    assert_same_as_ddp(run_ranks(_on_cuda, 1, "mlp", TINY, {}, backend="nccl", timeout=180))
 
 
 def _views(rank: int, world: int) -> dict[str, Any]:
@@ -131,10 +132,7 @@ def test_syncbatchnorm_on_cuda_matches_the_global_batch() -> None:
 
 def test_bucket_ddp_on_one_gpu_matches_strategy_ddp(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
-    from test_strategy import assert_same, moved, run_script
-
-    scenarios = Path(__file__).resolve().parent / "lightning_scenarios.py"
-    run_script([sys.executable, str(scenarios), "cuda", str(tmp_path)], timeout=240)
+    run_script([sys.executable, str(SCENARIOS), "cuda", str(tmp_path)], timeout=240)
     (result,) = [torch.load(f, weights_only=False) for f in tmp_path.glob("cuda.rank*.pt")]
     for name in ("boring", "boring_bf16", "transformer_acc2", "normed"):
         assert result[f"{name}/bucket/backend"] == result[f"{name}/ddp/backend"] == "nccl"

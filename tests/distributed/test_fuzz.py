@@ -1,5 +1,6 @@
 """A few fixed seeds of the fuzzers, so that they keep working: the engine's
-(``tests/fuzz_engine.py``) and the Lightning strategy's (``tests/fuzz_lightning.py``).
+(``tests/support/fuzz_engine.py``) and the Lightning strategy's
+(``tests/support/fuzz_lightning.py``).
 
 The fuzzers themselves run outside the suite: ``python3 dev.py fuzz --schedules 200`` and
 ``python3 dev.py fuzz-lightning --schedules 100``.

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_engine.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine.py"
 # Three steps in all: torch DDP reports its rebuilt buckets from its third forward on.
 SHORT = ["--rounds", "1", "--steps", "1", "--warmup", "2", "--world-size", "2", "--no-memory"]
 WITH_MEMORY = [a for a in SHORT if a != "--no-memory"]
@@ -98,7 +98,7 @@ def test_first_bucket_comm_hook_null_and_malloc_options_reach_the_run(tmp_path: 
 @functools.cache
 def load_bench() -> Any:
     """The benchmark script as a module, importing its own ``models`` (not the tests')."""
-    saved = sys.modules.pop("models", None)  # tests/models.py, if a test imported it
+    saved = sys.modules.pop("models", None)  # tests/support/models.py, if a test imported it
     sys.path.insert(0, str(SCRIPT.parent))
     try:
         spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)

@@ -1,4 +1,5 @@
-"""LightningModules and callbacks shared by the strategy scenarios (tests/lightning_scenarios.py).
+"""LightningModules and callbacks shared by the strategy scenarios
+(tests/support/lightning_scenarios.py).
 
 Every model draws its weights and its data from fixed seeds, so two strategies trained in
 the same process group from the same seed see identical weights and batches.

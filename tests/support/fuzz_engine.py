@@ -3,7 +3,7 @@
 
 Each *schedule* is a pure function of one integer seed (``random.Random(seed)``): a world
 size, a small model put together from building blocks, engine options, and 2-5 training
-steps. The schedule trains on real gloo ranks (``tests/multirank.py``), and every rank's
+steps. The schedule trains on real gloo ranks (``tests/support/multirank.py``), and every rank's
 parameters and buffers after every step it trains, and at the end, are compared with one
 process that trains the same model on the global batch:
 
@@ -51,15 +51,15 @@ schedule is what it was before they were added.
 
 Usage (``python3 dev.py fuzz ...`` runs it in the project's venv)::
 
-    .venv/bin/python tests/fuzz_engine.py --schedules 200 --seed 0
-    .venv/bin/python tests/fuzz_engine.py --replay 17     # one schedule, described in full
+    .venv/bin/python tests/support/fuzz_engine.py --schedules 200 --seed 0
+    .venv/bin/python tests/support/fuzz_engine.py --replay 17     # one schedule, described in full
 
 It prints one line per schedule and exits non-zero if any fails, with the ``--replay``
 command of each failing seed. The tolerance is ``ATOL``/``RTOL`` plus the rounding a
 schedule amplifies (see ``compare``). Schedules of one world size share a launch,
 ``--group`` seeds at a time, since each rank process spends about two seconds importing
 ``torch._dynamo`` once; a launch that fails runs again one schedule at a time, so that the
-failure names one seed. ``tests/test_fuzz.py`` runs a few seeds in the test suite.
+failure names one seed. ``tests/distributed/test_fuzz.py`` runs a few seeds in the test suite.
 """
 
 from __future__ import annotations

@@ -1,0 +1,82 @@
+"""Running Lightning scenarios as scripts, and comparing what they saved.
+
+The scenarios live in ``lightning_scenarios.py``; test_strategy.py and test_cuda.py run
+them through ``scenario`` or ``run_script`` and compare the weights with ``assert_same``.
+Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+SUPPORT = Path(__file__).resolve().parent
+SCENARIOS = SUPPORT / "lightning_scenarios.py"
+ROOT = SUPPORT.parents[1]
+"""The repository root: the scripts' working directory."""
+
+
+def run_script(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> str:
+    """Run ``cmd`` in a session of its own and wait for every process it started.
+
+    The output pipe reaches EOF only once the ranks a launcher started have exited too, so
+    their exit is checked as well: no run may end in "terminate called" (SIGABRT).
+    """
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{cmd[1:3]} did not finish within {timeout:.0f}s:\n{_tail(out)}")
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, f"{cmd[1:3]} exited with {proc.returncode}:\n{_tail(out)}"
+    assert "terminate called" not in text, _tail(out)
+    return text
+
+
+def _tail(out: bytes, n: int = 6000) -> str:
+    return out.decode(errors="replace")[-n:]
+
+
+def scenario(
+    name: str, out: Path, *extra: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Run one scenario; returns what each rank saved, in rank order."""
+    run_script([sys.executable, str(SCENARIOS), name, str(out), *extra], timeout=timeout, env=env)
+    files = sorted(out.glob(f"{name}.rank*.pt"))
+    assert files, f"scenario {name} saved no results in {out}"
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+def assert_same(
+    a: dict[str, torch.Tensor],
+    b: dict[str, torch.Tensor],
+    tol: float = 0.0,
+    skip: tuple[str, ...] = (),
+) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        if any(s in name for s in skip):
+            continue
+        x, y = a[name].double(), b[name].double()
+        worst = float((x - y).abs().max()) if x.numel() else 0.0
+        assert worst <= tol, f"{name} differs by {worst:.3g}"
+
+
+def moved(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(a[n], b[n]) for n in a if a[n].is_floating_point())
