@@ -6,7 +6,8 @@ The fuzzer itself runs outside the suite: ``python3 dev.py fuzz --schedules 200`
 
 from __future__ import annotations
 
-from fuzz_engine import make_schedule, run_seeds
+from fuzz_engine import run_seeds
+from fuzz_engine_schedule import make_schedule
 
 # Chosen for what they cover (checked below). World size 2: 1, static_graph, a comm hook,
 # SyncBatchNorm and a Stats block under nine buffer rules (exact and patterns) and a
