@@ -6,16 +6,12 @@ turns a plan into storage and collectives.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 MB = 1024 * 1024
-DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's, also what its bucket_cap_mb=None means
-DEFAULT_FIRST_BUCKET_MB = 1.0  # torch DDP's first bucket with its default cap
 
 
 @dataclass(frozen=True)
@@ -73,34 +69,6 @@ class BucketPlan:
                 f"{b.nbytes / MB:.2f} MB: {head}"
             )
         return "\n".join(lines)
-
-
-def check_bucket_sizes(
-    bucket_cap_mb: float | None, first_bucket_mb: float | None
-) -> tuple[float, float]:
-    """Check both bucket sizes and return them in MB.
-
-    ``None`` means the default: 25 MB for ``bucket_cap_mb`` (as torch DDP's None does) and
-    1 MB for ``first_bucket_mb``.
-
-    Raises:
-        TypeError: a size that is not a number.
-        ValueError: a size that is not positive and finite.
-    """
-    cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-    first = DEFAULT_FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
-    for name, value, default in (
-        ("bucket_cap_mb", cap, DEFAULT_BUCKET_CAP_MB),
-        ("first_bucket_mb", first, DEFAULT_FIRST_BUCKET_MB),
-    ):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(
-                f"{name} must be a number of megabytes (the default is {default}), got "
-                f"{type(value).__name__} {value!r}"
-            )
-        if not 0 < value < math.inf:
-            raise ValueError(f"{name} must be a positive, finite number of megabytes, got {value}")
-    return float(cap), float(first)
 
 
 def cap_bytes(megabytes: float) -> int:

@@ -283,7 +283,7 @@ class BufferSync:
         self.world_size = dist.get_world_size(process_group)
         # Kept to give buffers that appear after wrapping their policies (see ``settle``).
         self._module = module
-        self._rules = rules
+        self._rules = dict(rules) if rules is not None else None  # a copy pickles
         self._default = default
         self._ignored = frozenset(ignored)
         self._module_rules: Mapping[str, Policy] | None = None
@@ -300,7 +300,7 @@ class BufferSync:
         error: Exception | None = None
         policies: dict[str, Policy] = {}
         try:
-            policies = self._resolve(module, rules, default)
+            policies = self._resolve(module, self._rules, default)
         except Exception as exc:  # reported to every rank by _agree
             error = exc
         self.policies = _agree(policies, error, process_group, module_device(module, process_group))

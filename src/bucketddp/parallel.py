@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import numbers
-import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -17,11 +14,21 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _structure
-from .buckets import BucketPlan, check_bucket_sizes
+from .buckets import BucketPlan
 from .buffers import BufferSync, Policy
-from .comm import IGNORED_KIND, broadcast_coalesced, module_device, verify_same_model
+from .comm import broadcast_coalesced, module_device, verify_same_model
 from .comm_hooks import CommHook
+from .forward_io import hook_outputs, to_device
 from .join import BucketJoinHook, check_joinable, exchange_header, header
+from .module_checks import (
+    check_initialized,
+    check_wrappable,
+    ignored_names,
+    model_signature,
+    sparse_parameters,
+)
+from .options import EngineOptions
+from .placement import input_device, reduce_group
 from .reducer import NO_TRAINABLE, CommStats, Reducer
 from .syncbn import separate_group
 
@@ -40,47 +47,31 @@ class BucketDataParallel(nn.Module, Joinable):
     Args:
         module: the model, already on its device; the same model on every rank.
         process_group: the group to reduce over; the default group if None.
-        bucket_cap_mb: a bucket is launched once it holds this many MB of gradients (None:
-            25, torch DDP's default, as there).
-        first_bucket_mb: the cap of the first bucket, kept small so that communication
-            starts early in backward (None: 1, torch DDP's with its default cap).
-        find_unused_parameters: allow parameters that get no gradient in a step (control
-            flow, frozen branches). Without it such a step raises an error naming them.
-        gradient_as_bucket_view: make each ``param.grad`` a view into its bucket, saving
-            a copy and the memory of a second gradient buffer.
-        broadcast_buffers: torch DDP's switch (True if None); False is the same as
-            ``default_buffer_policy="none"``, buffers keeping each rank's value from the
-            start.
-        buffer_sync: a policy per buffer name or fnmatch pattern (see ``docs/buffers.md``).
-        default_buffer_policy: the policy of buffers no rule names.
+        bucket_cap_mb, first_bucket_mb, find_unused_parameters, gradient_as_bucket_view,
+        broadcast_buffers, buffer_sync, default_buffer_policy, static_graph, init_sync,
+        forward_sync_buffers: the engine options, torch DDP's and bucketddp's own; see
+            ``bucketddp.options.EngineOptions`` for each.
         device_ids: torch DDP's argument, for a module on one accelerator: ``[local_rank]``
             or ``[device]``, naming the module's own device. Tensors in the forward's
             arguments are then moved to it, as torch DDP does. None (the default) or ``[]``
             for a CPU module.
         output_device: torch DDP's argument: None, or the device of ``device_ids``.
-        static_graph: torch DDP's promise that every step runs the same graph. A parameter
-            may then get several gradients in one backward (a layer shared by reentrant
-            checkpoint segments), and parameters the graph never uses are allowed without
-            ``find_unused_parameters``. The first synced backward counts the gradients and
-            reduces at its end, without overlap.
-        init_sync: broadcast parameters and buffers from rank 0 at wrapping (torch DDP's
-            argument). False keeps each rank's values; the models are still checked to
-            match.
-        forward_sync_buffers: torch DDP 2.13's successor of ``broadcast_buffers``: False
-            stops syncing buffers before each forward, but they still start from rank 0.
         device_mesh: a one-dimensional ``DeviceMesh`` to reduce over, instead of
             ``process_group``.
+        options: the engine options as one ``EngineOptions`` (as ``BucketDDP`` passes
+            them) instead of as keywords, which are then left at their defaults.
 
     Raises:
         RuntimeError: when no process group is initialized, the ranks' models differ, or
             the module has lazy or meta parameters.
         TypeError: ``module`` is not an ``nn.Module``, ``process_group`` not a group, a
-            bucket size not a number, or ``_ddp_params_and_buffers_to_ignore`` a string.
+            bucket size not a number, ``_ddp_params_and_buffers_to_ignore`` a string, or
+            ``options`` given with an engine keyword.
         ValueError: ``module`` is or holds a data-parallel wrapper, or has no parameter
-            that requires a gradient; on bad bucket sizes or
-            buffer policies, buffer options that contradict each other, ``device_ids`` and
-            ``output_device`` that do not name the module's one accelerator, or a
-            ``device_mesh`` given with a ``process_group`` or with more than one dimension.
+            that requires a gradient; on bad bucket sizes or buffer policies, buffer options
+            that contradict each other, ``device_ids`` and ``output_device`` that do not
+            name the module's one accelerator, or a ``device_mesh`` given with a
+            ``process_group`` or with more than one dimension.
     """
 
     def __init__(
@@ -101,18 +92,25 @@ class BucketDataParallel(nn.Module, Joinable):
         init_sync: bool = True,
         forward_sync_buffers: bool | None = None,
         device_mesh: Any = None,
+        options: EngineOptions | None = None,
     ) -> None:
-        check_wrappable(module)
-        check_switches(
+        check_wrappable(module, BucketDataParallel)
+        options = EngineOptions.from_keywords(
+            options,
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,
+            buffer_sync=buffer_sync,
+            default_buffer_policy=default_buffer_policy,
             static_graph=static_graph,
             init_sync=init_sync,
             forward_sync_buffers=forward_sync_buffers,
         )
         super().__init__()
         Joinable.__init__(self)
+        self.options = options
         self._divide_by_initial_world_size = True
         self._input_device = input_device(
             {p.device for p in module.parameters()}, device_ids, output_device
@@ -122,29 +120,19 @@ class BucketDataParallel(nn.Module, Joinable):
                 "BucketDataParallel needs a process group: call "
                 "torch.distributed.init_process_group() before wrapping the model"
             )
-        bucket_cap_mb, first_bucket_mb = check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
         check_initialized(module)
-        default_buffer_policy = buffer_default(
-            broadcast_buffers, forward_sync_buffers, default_buffer_policy
-        )
-        if device_mesh is not None:
-            process_group = mesh_group(device_mesh, process_group)
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(
-                "process_group must be a torch.distributed.ProcessGroup (from "
-                f"dist.new_group(), say) or None for the default group, got "
-                f"{type(process_group).__name__} {process_group!r}"
-            )
+        process_group = reduce_group(process_group, device_mesh)
         self.device_mesh = device_mesh
         self.module = module
         self.process_group = process_group
-        self.find_unused_parameters = find_unused_parameters
-        self.static_graph = static_graph
-        self.gradient_as_bucket_view = gradient_as_bucket_view
+        # torch DDP's attributes.
+        self.find_unused_parameters = options.find_unused_parameters
+        self.static_graph = options.static_graph
+        self.gradient_as_bucket_view = options.gradient_as_bucket_view
 
         self.parameters_to_ignore = ignored_names(module)
         verify_same_model(
-            _signature(module, self.parameters_to_ignore),
+            model_signature(module, self.parameters_to_ignore),
             process_group,
             module_device(module, process_group),
         )
@@ -156,13 +144,13 @@ class BucketDataParallel(nn.Module, Joinable):
         self.buffers_sync = BufferSync(
             module,
             process_group=process_group,
-            rules=buffer_sync,
-            default=default_buffer_policy,
+            rules=options.buffer_sync,
+            default=options.buffer_policy_default,
             ignored=self.parameters_to_ignore,
             # torch DDP's forward_sync_buffers=False still starts every buffer from rank 0.
-            default_is_rank_local=forward_sync_buffers is None,
+            default_is_rank_local=options.forward_sync_buffers is None,
         )
-        if init_sync and dist.get_world_size(process_group) > 1:
+        if options.init_sync and dist.get_world_size(process_group) > 1:
             # Buffers a rule made rank-local keep each rank's value, as torch DDP does for
             # broadcast_buffers=False; everything else starts from rank 0.
             broadcast_coalesced(
@@ -173,16 +161,8 @@ class BucketDataParallel(nn.Module, Joinable):
                 process_group,
             )
         self.buffers_sync.reset_baseline()
-        # Kept for a copy of the wrapper (``__setstate__``), which builds a reducer of its own.
-        self._reducer_options: dict[str, Any] = {
-            "bucket_cap_mb": bucket_cap_mb,
-            "first_bucket_mb": first_bucket_mb,
-            "find_unused_parameters": find_unused_parameters,
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-            "static_graph": static_graph,
-        }
         self.reducer = self._new_reducer()
-        if find_unused_parameters and dist.get_world_size(process_group) > 1:
+        if options.find_unused_parameters and dist.get_world_size(process_group) > 1:
             # The ranks may run different layers in a step, so a bucket's all-reduce starts
             # at a different point of each rank's backward and could cross a SyncBatchNorm
             # layer's all-reduce on the same group: those layers move to a private one.
@@ -208,7 +188,7 @@ class BucketDataParallel(nn.Module, Joinable):
             args, kwargs = to_device((args, kwargs), self._input_device)
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            _hook_outputs(out, self.reducer.on_output_grad)
+            hook_outputs(out, self.reducer.on_output_grad)
         return out
 
     def _before_forward(self) -> None:
@@ -319,13 +299,19 @@ class BucketDataParallel(nn.Module, Joinable):
         self.reducer.module_changed(added, removed)
 
     def _new_reducer(self) -> Reducer:
+        options = self.options
         reducer = Reducer(
             self._named_parameters(),
             process_group=self.process_group,
-            sparse_names=_sparse_parameters(self.module),
-            **self._reducer_options,
+            sparse_names=sparse_parameters(self.module),
+            bucket_cap_mb=options.bucket_cap_mb,
+            first_bucket_mb=options.first_bucket_mb,
+            find_unused_parameters=options.find_unused_parameters,
+            gradient_as_bucket_view=options.gradient_as_bucket_view,
+            static_graph=options.static_graph,
         )
         reducer.buffer_layout = self.buffers_sync
+        reducer.unused_hint = options.unused_hint  # until the reducer takes options
         # A wrapper that is dropped takes its hooks along, as torch DDP's reducer does when
         # it is destroyed: the module trains plainly again, and a new wrapper is alone on it.
         # (The hooks hold the reducer, not the wrapper, so the wrapper can be collected.)
@@ -452,7 +438,7 @@ class BucketDataParallel(nn.Module, Joinable):
         self.reducer.arm(decide=True)
         if torch.is_grad_enabled():
             # Like a forward's outputs: the backward's first hook, in its outermost pass.
-            _hook_outputs(output, self.reducer.on_output_grad)
+            hook_outputs(output, self.reducer.on_output_grad)
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -471,289 +457,3 @@ class BucketDataParallel(nn.Module, Joinable):
 def _detach(reducer: Reducer, buffers_sync: BufferSync) -> None:
     reducer.remove()
     buffers_sync.remove()
-
-
-def check_wrappable(module: object) -> None:
-    """Raise unless ``module`` is an ``nn.Module`` with no data-parallel wrapper inside it.
-
-    A wrapper inside (the module itself, or a submodule) would reduce its parameters'
-    gradients a second time. torch DDP does not check this.
-
-    Raises:
-        TypeError: ``module`` is not an ``nn.Module``.
-        ValueError: naming the wrapper found and what to wrap instead.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"BucketDataParallel wraps an nn.Module, got {type(module).__name__}")
-    wrappers = (BucketDataParallel, nn.parallel.DistributedDataParallel)
-    for name, sub in module.named_modules():
-        if isinstance(sub, wrappers):
-            where = f"its submodule {name!r} is" if name else "it is already"
-            raise ValueError(
-                f"cannot wrap this module: {where} a {type(sub).__name__}, whose hooks "
-                "already reduce those gradients, so they would be reduced twice. Wrap the "
-                "plain model once: pass wrapper.module instead of the wrapper."
-            )
-
-
-def check_switches(**switches: object) -> None:
-    """Raise if an on/off option holds something other than True or False (or None).
-
-    None is allowed for the options whose default it is (``broadcast_buffers``,
-    ``forward_sync_buffers``); 0 and 1 pass as well. Anything else, a string from a
-    command line above all (``"False"`` is true in Python), would silently switch the
-    option on, so it is refused.
-
-    Raises:
-        TypeError: naming the first such option and its value.
-    """
-    for name, value in switches.items():
-        if value is None and name in _OPTIONAL_SWITCHES:
-            continue
-        if isinstance(value, numbers.Integral) and value in (0, 1):  # bools included
-            continue
-        allowed = "True, False or None" if name in _OPTIONAL_SWITCHES else "True or False"
-        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
-
-
-_OPTIONAL_SWITCHES = frozenset({"broadcast_buffers", "forward_sync_buffers"})
-
-
-def check_initialized(module: nn.Module) -> None:
-    """Raise if ``module`` has parameters or buffers without data yet.
-
-    Lazy ones (``nn.LazyLinear`` and kin) have no shape before the first forward; meta ones
-    (built under ``torch.device("meta")``) have no storage. Neither can be compared across
-    ranks, broadcast or bucketed.
-
-    Raises:
-        RuntimeError: naming them and what to do.
-    """
-    tensors = [*module.named_parameters(), *module.named_buffers()]
-    lazy = [n for n, t in tensors if nn.parameter.is_lazy(t)]
-    if lazy:
-        raise RuntimeError(
-            f"the module's parameters or buffers {lazy[:10]} are not initialized yet (a lazy "
-            "module such as nn.LazyLinear): run one forward pass on a batch first, so that "
-            "they get their shapes, then wrap the module"
-        )
-    meta = [n for n, t in tensors if t.is_meta]
-    if meta:
-        raise RuntimeError(
-            f"the module's parameters or buffers {meta[:10]} are on the meta device and hold "
-            "no data: materialize them first (module.to_empty(device=...), then initialize "
-            "or load the weights), then wrap the module"
-        )
-
-
-def buffer_default(
-    broadcast_buffers: bool | None,
-    forward_sync_buffers: bool | None,
-    default_buffer_policy: Policy | None,
-) -> Policy:
-    """The policy of buffers no rule names, from the wrapper's three buffer options.
-
-    ``broadcast_buffers`` and ``forward_sync_buffers`` are torch DDP's switches (the second
-    replaces the first in torch 2.13); False means ``"none"``, None means not given.
-
-    Raises:
-        ValueError: the options contradict each other, naming them.
-    """
-    given = {
-        name: value
-        for name, value in (
-            ("broadcast_buffers", broadcast_buffers),
-            ("forward_sync_buffers", forward_sync_buffers),
-        )
-        if value is not None
-    }
-    if len(set(given.values())) > 1:
-        raise ValueError(
-            f"broadcast_buffers={broadcast_buffers} contradicts forward_sync_buffers="
-            f"{forward_sync_buffers}; pass only forward_sync_buffers (torch 2.13's name)"
-        )
-    if default_buffer_policy is None:
-        return "none" if False in given.values() else "broadcast"
-    for switch in given.values():
-        # False means no sync, True a sync: "none", or any other policy, contradicts it.
-        if switch is (default_buffer_policy == "none"):
-            name = next(iter(given))
-            raise ValueError(
-                f"{name}={switch} contradicts default_buffer_policy={default_buffer_policy!r}; "
-                "pass only one of them"
-            )
-    return default_buffer_policy
-
-
-def mesh_group(device_mesh: Any, process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """The process group of a one-dimensional ``DeviceMesh`` (torch DDP's ``device_mesh``).
-
-    Raises:
-        ValueError: a ``process_group`` was given too, or the mesh has several dimensions.
-    """
-    if process_group is not None:
-        raise ValueError(
-            "pass either process_group or device_mesh, not both: the mesh already names "
-            "the group to reduce over"
-        )
-    if device_mesh.ndim != 1:
-        names = getattr(device_mesh, "mesh_dim_names", None)
-        raise ValueError(
-            f"device_mesh has {device_mesh.ndim} dimensions {names or ''}; pass the "
-            "one-dimensional data-parallel part of it, e.g. device_mesh['dp']"
-        )
-    group: dist.ProcessGroup = device_mesh.get_group(0)
-    return group
-
-
-def input_device(
-    devices: set[torch.device],
-    device_ids: Sequence[int | str | torch.device] | None,
-    output_device: int | str | torch.device | None,
-) -> torch.device | None:
-    """The device that ``device_ids`` names for a module on ``devices``, or None.
-
-    torch DDP's rules: only a module on a single accelerator takes ``device_ids``, one
-    device per process; ``output_device`` may only repeat it. An integer is an index on the
-    module's device type.
-
-    Raises:
-        ValueError: naming the arguments, the module's devices and what to pass instead.
-    """
-    if not device_ids and output_device is None:
-        return None
-    shown = ", ".join(sorted(str(d) for d in devices)) or "no parameters"
-    both = f"device_ids={list(device_ids or [])} and output_device={output_device!r}"
-    if len(devices) != 1:
-        raise ValueError(
-            f"{both} apply to a module on one accelerator, but the module's parameters are on "
-            f"{shown}; pass neither for a module that spans devices"
-        )
-    if next(iter(devices)).type == "cpu":
-        raise ValueError(
-            f"{both} apply to a module on one accelerator, but the module's parameters are on "
-            "cpu; pass neither (the default) for a CPU module, or move the module to its "
-            "accelerator first"
-        )
-    (device,) = devices
-    if not device_ids or len(device_ids) != 1:
-        raise ValueError(
-            f"device_ids={list(device_ids or [])}: give exactly one device per process, the "
-            f"module's own ({device}), e.g. device_ids=[local_rank]"
-        )
-    for arg, given in (("device_ids[0]", device_ids[0]), ("output_device", output_device)):
-        if given is None:
-            continue
-        named = torch.device(device.type, given) if isinstance(given, int) else torch.device(given)
-        # A device without an index ("cuda") names the module's own, as in torch DDP.
-        if named.type != device.type or named.index not in (None, device.index):
-            raise ValueError(
-                f"{arg} names {named}, but the module's parameters are on {device}; move the "
-                f"module with .to({str(named)!r}) before wrapping it, or pass "
-                f"device_ids=[{device.index}]"
-            )
-    return device
-
-
-def _hook_outputs(obj: Any, hook: Callable[[torch.Tensor], None]) -> None:
-    """Register ``hook`` on every tensor in ``obj`` that this forward computed with autograd.
-
-    Walks tuples, lists, dict values and dataclass fields, as torch DDP does to find a
-    forward's outputs. Costs about 3 µs per output tensor per forward. Leaves (a parameter
-    returned as it is) are skipped: a hook on one would outlive the step and pile up, one
-    more per forward.
-    """
-    if isinstance(obj, torch.Tensor):
-        if obj.grad_fn is not None:
-            obj.register_hook(hook)
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            _hook_outputs(x, hook)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _hook_outputs(x, hook)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            _hook_outputs(getattr(obj, f.name), hook)
-
-
-def to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor moved to ``device``, through tuples, lists and dicts.
-
-    Containers keep their class (namedtuples included); anything else is returned as is.
-    """
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        moved = [to_device(x, device) for x in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-    if isinstance(obj, list):
-        return [to_device(x, device) for x in obj]
-    if isinstance(obj, dict):
-        out = obj.copy()  # OrderedDict and defaultdict keep their class
-        for k, v in obj.items():
-            out[k] = to_device(v, device)
-        return out
-    return obj
-
-
-def ignored_names(module: nn.Module) -> frozenset[str]:
-    """The names in ``module._ddp_params_and_buffers_to_ignore``, torch DDP's ignore list.
-
-    Warns about names that are neither a parameter nor a buffer of the module: they ignore
-    nothing, so what the user meant to keep rank-local would be synchronized.
-
-    Raises:
-        TypeError: the attribute is a single string rather than a collection of names.
-    """
-    names = getattr(module, "_ddp_params_and_buffers_to_ignore", None)
-    if names is None:
-        return frozenset()
-    if isinstance(names, str) or not isinstance(names, Iterable):
-        raise TypeError(
-            f"_ddp_params_and_buffers_to_ignore is {names!r}; set it to a list of "
-            "parameter and buffer names, e.g. ['head.weight', 'bn.running_mean']"
-        )
-    ignored = frozenset(names)
-    known = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
-    unknown = sorted(ignored - known)
-    if unknown:
-        warnings.warn(
-            f"_ddp_params_and_buffers_to_ignore lists {unknown[:10]}, which name no parameter "
-            "or buffer of the module, so they ignore nothing; use the names of "
-            "named_parameters() and named_buffers(), e.g. 'layer.0.weight'",
-            stacklevel=3,
-        )
-    return ignored
-
-
-def _signature(
-    module: nn.Module, ignored: frozenset[str]
-) -> list[tuple[str, str, tuple[int, ...], str]]:
-    """What must agree across ranks: the synced parameters and buffers, and the ignore list.
-
-    Ignored parameters and buffers may differ between ranks (torch DDP skips them too), but
-    every rank must ignore the same names, or the ranks would plan different buckets.
-    """
-    sig = [
-        ("parameter" if p.requires_grad else "frozen parameter", n, tuple(p.shape), str(p.dtype))
-        for n, p in module.named_parameters()
-        if n not in ignored
-    ]
-    sig += [
-        ("buffer", n, tuple(b.shape), str(b.dtype))
-        for n, b in module.named_buffers()
-        if n not in ignored
-    ]
-    sig += [(IGNORED_KIND, n, (), "") for n in sorted(ignored)]
-    return sig
-
-
-def _sparse_parameters(module: nn.Module) -> list[str]:
-    """Names of the parameters whose gradients are sparse: embeddings with ``sparse=True``."""
-    ids = {
-        id(m.weight)
-        for m in module.modules()
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
-    }
-    return [n for n, p in module.named_parameters() if id(p) in ids]

@@ -35,9 +35,9 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
-from .buckets import check_bucket_sizes
-from .buffers import Policy, check_rules, resolve_policies
-from .parallel import BucketDataParallel, buffer_default, check_switches
+from .buffers import Policy
+from .options import EngineOptions, check_switches
+from .parallel import BucketDataParallel
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
@@ -58,6 +58,12 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "bucketddp"
 """The checkpoint entry BucketDDP adds: ``{"bucket_order": [parameter names]}``."""
+
+UNUSED_HINT = (
+    "Pass BucketDDP(find_unused_parameters=True), or "
+    'Trainer(strategy="bucket_ddp_find_unused_parameters_true")'
+)
+"""How the error about parameters without a gradient names the strategy's option."""
 
 
 class BucketSyncBatchNorm(LayerSync):
@@ -89,17 +95,10 @@ class BucketDDP(DDPStrategy):
     parameters and buffers are broadcast from rank 0, as with ``DDPStrategy``.
 
     Args:
-        bucket_cap_mb: a gradient bucket is launched once it holds this many MB (None: 25,
-            as for torch DDP).
-        first_bucket_mb: the cap of the first bucket, small so communication starts early
-            (None: 1).
-        find_unused_parameters: allow parameters that get no gradient in a step.
-        gradient_as_bucket_view: make each ``param.grad`` a view into its bucket.
-        broadcast_buffers: torch DDP's switch (True if None); False means
-            ``default_buffer_policy="none"``, buffers keeping each rank's value.
-        buffer_sync: a policy per buffer name or fnmatch pattern; overrides the module's
-            ``configure_buffer_sync()`` for the same key.
-        default_buffer_policy: the policy of buffers no rule names ("broadcast" if None).
+        bucket_cap_mb, first_bucket_mb, find_unused_parameters, gradient_as_bucket_view,
+        broadcast_buffers, buffer_sync, default_buffer_policy, static_graph, init_sync,
+        forward_sync_buffers: the engine options, as ``BucketDataParallel`` takes them; see
+            ``bucketddp.options.EngineOptions`` for each.
         sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm`` while
             fitting, as ``Trainer(sync_batchnorm=True)`` does.
         ddp_comm_hook: a communication hook, ``hook(state, bucket) -> Future``, registered
@@ -112,23 +111,15 @@ class BucketDDP(DDPStrategy):
         model_averaging_period: post-local SGD: average the parameters over all ranks every
             this many optimizer steps once local SGD has started, as ``DDPStrategy`` does.
             Required with a ``PostLocalSGDState``, refused without one.
-        static_graph: the graph is the same every step, as with ``DDPStrategy``: a layer may
-            run in several reentrant checkpoint segments, and parameters the graph never uses
-            need no ``find_unused_parameters``.
-        init_sync: broadcast parameters and buffers from rank 0 when the module is wrapped
-            (torch DDP's argument; Lightning's ``DDPStrategy`` passes it through).
-        forward_sync_buffers: torch 2.13's successor of ``broadcast_buffers``: False stops
-            the buffer sync before each forward, but buffers still start from rank 0.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
 
     Raises:
-        TypeError: a bucket size that is not a number, or a ``default_buffer_policy`` that
-            is neither a policy name nor callable.
-        ValueError: a bucket size that is not positive, an unknown default policy, buffer
-            options that contradict each other, a hook state or wrapper without a hook, or a
-            ``model_averaging_period`` that is missing with a ``PostLocalSGDState``, given
-            without one, or not a positive integer.
+        TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm``
+            other than True or False.
+        ValueError: a bad engine option (see ``EngineOptions``), a hook state or wrapper
+            without a hook, or a ``model_averaging_period`` that is missing with a
+            ``PostLocalSGDState``, given without one, or not a positive integer.
     """
 
     def __init__(
@@ -158,28 +149,26 @@ class BucketDDP(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        bucket_cap_mb, first_bucket_mb = check_bucket_sizes(bucket_cap_mb, first_bucket_mb)
-        check_switches(
+        self._engine_options = EngineOptions.from_keywords(
+            bucket_cap_mb=bucket_cap_mb,
+            first_bucket_mb=first_bucket_mb,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,
-            sync_batchnorm=sync_batchnorm,
+            buffer_sync=buffer_sync,
+            default_buffer_policy=default_buffer_policy,
             static_graph=static_graph,
             init_sync=init_sync,
             forward_sync_buffers=forward_sync_buffers,
+            unused_hint=UNUSED_HINT,
         )
-        check_rules(buffer_sync, "buffer_sync is")
+        check_switches(sync_batchnorm=sync_batchnorm)
         self._comm_hook = _comm_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         _check_averaging(ddp_comm_state, model_averaging_period)
-        # Raises on contradicting buffer options or an unknown policy name.
-        resolve_policies(
-            {},
-            default=buffer_default(broadcast_buffers, forward_sync_buffers, default_buffer_policy),
-        )
         # Set before DDPStrategy.__init__, which assigns ``_layer_sync`` (our property).
         self._sync_batchnorm = sync_batchnorm
-        # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``; ours are
-        # BucketDataParallel's, and ``_setup_model`` passes them on.
+        # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``: ours, checked,
+        # for code that reads them there; ``_setup_model`` passes the options themselves.
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -193,16 +182,7 @@ class BucketDDP(DDPStrategy):
             # the hook itself is registered by ``configure_ddp`` below, on every accelerator.
             ddp_comm_state=ddp_comm_state,
             model_averaging_period=model_averaging_period,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_mb=first_bucket_mb,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            broadcast_buffers=broadcast_buffers,
-            buffer_sync=dict(buffer_sync) if buffer_sync is not None else None,
-            default_buffer_policy=default_buffer_policy,
-            static_graph=static_graph,
-            init_sync=init_sync,
-            forward_sync_buffers=forward_sync_buffers,
+            **self._engine_options.keywords(),
         )
         # The order from a loaded checkpoint, until the wrapper adopts it.
         self._saved_bucket_order: list[str] | None = None
@@ -239,19 +219,15 @@ class BucketDDP(DDPStrategy):
         log.debug(
             "%s: wrapping the model in BucketDataParallel(%s)",
             type(self).__name__,
-            self._ddp_kwargs,
+            self._engine_options,
         )
-        return BucketDataParallel(model, **self._ddp_kwargs)
+        return BucketDataParallel(model, options=self._engine_options)
 
     @override
     def configure_ddp(self) -> None:
         """Wrap the LightningModule and adopt the bucket order of a loaded checkpoint."""
         assert isinstance(self.model, LightningModule)
         wrapped = self._setup_model(self.model)
-        wrapped.reducer.unused_hint = (
-            "Pass BucketDDP(find_unused_parameters=True), or "
-            'Trainer(strategy="bucket_ddp_find_unused_parameters_true")'
-        )
         if self._comm_hook is not None:
             wrapped.register_comm_hook(*self._comm_hook)
         self.model = wrapped

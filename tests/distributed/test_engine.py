@@ -19,7 +19,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
-from bucketddp.parallel import input_device, to_device
+from bucketddp.forward_io import to_device
+from bucketddp.placement import input_device
 from engine_cases import CASES, TINY, assert_same_as_ddp, train_both
 from models import (
     assert_pairs_match,
@@ -545,7 +546,7 @@ def test_on_off_options_refuse_anything_but_a_bool_by_name(
 
 
 def test_on_off_options_take_zero_and_one_as_torch_ddp_does() -> None:
-    from bucketddp.parallel import check_switches
+    from bucketddp.options import check_switches
 
     check_switches(find_unused_parameters=1, static_graph=0, broadcast_buffers=None)
 

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from bucketddp import BucketDataParallel
-from bucketddp.parallel import _hook_outputs
+from bucketddp.forward_io import hook_outputs
 from models import assert_pairs_match, assert_weights
 from multirank import raised, run_ranks
 
@@ -327,6 +327,6 @@ def test_output_hooks_reach_into_dataclasses_as_torch_ddp_finds_tensors() -> Non
     w = torch.ones(3, requires_grad=True)
     out = _Output(w * 2, [w * 3, w.detach()])
     seen: list[int] = []
-    _hook_outputs(out, lambda g: seen.append(g.numel()))
+    hook_outputs(out, lambda g: seen.append(g.numel()))
     (out.logits.sum() + out.extra[0].sum()).backward()
     assert seen == [3, 3]

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from bucketddp import BucketDataParallel
-from bucketddp.parallel import buffer_default
+from bucketddp.options import buffer_default
 from models import assert_pairs_match, assert_weights, paired, train
 from multirank import raised, run_ranks
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bucketddp.buckets import MB, ParamInfo, cap_bytes, check_bucket_sizes, plan_buckets
+from bucketddp.buckets import MB, ParamInfo, cap_bytes, plan_buckets
+from bucketddp.options import check_bucket_sizes
 
 CPU = torch.device("cpu")
 

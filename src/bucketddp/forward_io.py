@@ -1,0 +1,54 @@
+"""A forward's inputs and outputs, walked through their containers.
+
+Inputs are moved to the module's device (``device_ids``); outputs get the reducer's hook,
+which marks where the backward pass starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def hook_outputs(obj: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """Register ``hook`` on every tensor in ``obj`` that this forward computed with autograd.
+
+    Walks tuples, lists, dict values and dataclass fields, as torch DDP does to find a
+    forward's outputs. Leaves (a parameter returned as it is) are skipped: a hook on one
+    would outlive the step and pile up, one more per forward.
+    """
+    if isinstance(obj, torch.Tensor):
+        if obj.grad_fn is not None:
+            obj.register_hook(hook)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            hook_outputs(x, hook)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            hook_outputs(x, hook)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            hook_outputs(getattr(obj, f.name), hook)
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor moved to ``device``, through tuples, lists and dicts.
+
+    Containers keep their class (namedtuples included); anything else is returned as is.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        moved = [to_device(x, device) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if isinstance(obj, list):
+        return [to_device(x, device) for x in obj]
+    if isinstance(obj, dict):
+        out = obj.copy()  # OrderedDict and defaultdict keep their class
+        for k, v in obj.items():
+            out[k] = to_device(v, device)
+        return out
+    return obj
