@@ -1,4 +1,4 @@
-"""The one helper every distributed test uses: run a function on N ranks (gloo by default).
+"""The one rank launcher every distributed test and benchmark uses: run a function on N ranks.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes, joins them in a real
 process group (gloo unless a test asks for nccl) on a free loopback port, calls ``fn(rank,
@@ -10,7 +10,9 @@ thread of a rank that hung (dumped just before it is killed) or died of a signal
 abort, a segfault), from ``faulthandler``.
 
 Processes come from a forkserver that has torch preloaded, so a rank starts in a fraction
-of a second instead of re-importing torch.
+of a second instead of re-importing torch. Each rank runs one intra-op thread, and the
+parent sleeps on the ranks' pipes while they run, so the ranks of a benchmark have the
+machine's cores to themselves. The benchmarks import this module from ``tests/support``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from multiprocessing.connection import Connection, wait
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -74,6 +77,8 @@ def _worker(
     conn: Any,
     stack_path: str,
 ) -> None:
+    # One intra-op thread per rank: the ranks share this machine's cores, and oversubscribed
+    # threads would make a benchmark measure the scheduler rather than the code.
     torch.set_num_threads(1)
     # Every thread's Python stack goes to stack_path if the rank dies of a signal, or when
     # the parent asks (SIGUSR1) before killing a rank that hangs.
@@ -130,6 +135,37 @@ def _hung_stacks(procs: list[Any], paths: list[str], running: list[int]) -> str:
     return "".join(f"\nrank {rank}:" + _stacks(paths[rank]) for rank in running)
 
 
+def _receive(
+    receivers: list[Connection],
+    procs: list[Any],
+    stack_paths: list[str],
+    results: dict[int, tuple[str, Any]],
+    until: float,
+    *,
+    until_error: bool,
+) -> None:
+    """Take the ranks' results into ``results`` as they come, sleeping in between.
+
+    Returns once every rank has sent, once ``until`` (a ``time.monotonic()`` value) passes,
+    or, with ``until_error``, once a rank has failed. A rank whose pipe closes without a
+    result died: its entry says so, with its exit code and its threads' stacks.
+    """
+    waiting = {receivers[r]: r for r in range(len(receivers)) if r not in results}
+    while waiting and not (until_error and any(k == "error" for k, _ in results.values())):
+        left = until - time.monotonic()
+        if left <= 0:
+            return
+        for ready in wait(list(waiting), timeout=left):
+            recv = cast(Connection, ready)
+            rank = waiting.pop(recv)
+            try:
+                results[rank] = recv.recv()
+            except EOFError:
+                procs[rank].join(timeout=5.0)
+                died = f"rank {rank} died (exit code {procs[rank].exitcode})"
+                results[rank] = ("error", died + _stacks(stack_paths[rank]))
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int = 2,
@@ -174,33 +210,15 @@ def run_ranks(
 
     deadline = time.monotonic() + timeout
     results: dict[int, tuple[str, Any]] = {}
+    receivers = [recv for recv, _ in pipes]
     try:
-        while len(results) < world_size:
-            for rank, (recv, _) in enumerate(pipes):
-                if rank in results:
-                    continue
-                if recv.poll(0.01):
-                    try:
-                        results[rank] = recv.recv()
-                    except EOFError:
-                        procs[rank].join(timeout=5.0)
-                        code = procs[rank].exitcode
-                        died = f"rank {rank} died (exit code {code})"
-                        results[rank] = ("error", died + _stacks(stack_paths[rank]))
-            errors = {r: msg for r, (kind, msg) in results.items() if kind == "error"}
-            if errors and len(results) < world_size:
+        _receive(receivers, procs, stack_paths, results, deadline, until_error=True)
+        if len(results) < world_size:
+            if any(kind == "error" for kind, _ in results.values()):
                 # Give the other ranks a moment to report their own errors, then stop.
                 grace = time.monotonic() + 5.0
-                while len(results) < world_size and time.monotonic() < grace:
-                    for rank, (recv, _) in enumerate(pipes):
-                        if rank not in results and recv.poll(0.05):
-                            try:
-                                results[rank] = recv.recv()
-                            except EOFError:
-                                died = f"rank {rank} died" + _stacks(stack_paths[rank])
-                                results[rank] = ("error", died)
-                break
-            if time.monotonic() > deadline:
+                _receive(receivers, procs, stack_paths, results, grace, until_error=False)
+            else:
                 running = [r for r in range(world_size) if r not in results]
                 raise TimeoutError(
                     f"{fn.__name__} on {world_size} ranks did not finish within {timeout:.0f}s; "
