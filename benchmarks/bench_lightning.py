@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 import bucketddp
-from bench_engine import LR, MOMENTUM
+from bench_harness import LR, MOMENTUM
 from bucketddp import BucketDDP
 from models import MODELS, Batch, ModelSpec, count_parameters, loss_fn
 

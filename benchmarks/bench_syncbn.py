@@ -40,7 +40,16 @@ import torch.distributed as dist
 from torch import nn
 
 import bucketddp
-from bench_engine import LR, MOMENTUM, loadavg, run_meta, run_ranks, train_steps
+from bench_harness import (
+    LR,
+    MOMENTUM,
+    RANKS_TIMEOUT,
+    loadavg,
+    over_ranks,
+    run_meta,
+    run_ranks,
+    train_steps,
+)
 from bucketddp import BucketDataParallel, convert_sync_batchnorm
 from models import MODELS
 
@@ -87,13 +96,7 @@ def time_systems(rank: int, world_size: int, cfg: Config) -> dict[str, Any]:
             dist.barrier()
             # total, forward and backward seconds of each step
             rows = [row[:3] for row in train_steps(model, opt, batches)]
-            figures = torch.tensor(rows[cfg.warmup :], dtype=torch.float64)
-            slowest = figures[:, :1].clone()
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            phases = figures[:, 1:].clone()
-            dist.all_reduce(phases)
-            phases /= world_size
-            per_round[s].append(torch.cat([slowest, phases], dim=1).tolist())
+            per_round[s].append(over_ranks(rows[cfg.warmup :], world_size, "cpu"))
     return {"per_round": per_round, "bn_layers": layers}
 
 
@@ -157,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"load {load_start}; {MODEL}, per-rank batch {cfg.batch_size}, world size 2 (gloo); "
         f"{cfg.rounds} rounds x ({cfg.warmup} warmup + {cfg.steps} timed steps) per system"
     )
-    res = summarize(run_ranks(time_systems, 2, cfg)[0])
+    res = summarize(run_ranks(time_systems, 2, cfg, timeout=RANKS_TIMEOUT)[0])
 
     header = f"{'system':<10} {'step ms':>8} {'p25-p75 ms':>13} {'fwd ms':>7} {'bwd ms':>7}"
     print(f"\n{header}\n{'-' * len(header)}")

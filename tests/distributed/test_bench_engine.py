@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine.py"
+HARNESS = SCRIPT.parent / "bench_harness.py"
 # Three steps in all: torch DDP reports its rebuilt buckets from its third forward on.
 SHORT = ["--rounds", "1", "--steps", "1", "--warmup", "2", "--world-size", "2", "--no-memory"]
 WITH_MEMORY = [a for a in SHORT if a != "--no-memory"]
@@ -97,11 +98,11 @@ def test_first_bucket_comm_hook_null_and_malloc_options_reach_the_run(tmp_path: 
 
 @functools.cache
 def load_bench() -> Any:
-    """The benchmark script as a module, importing its own ``models`` (not the tests')."""
+    """The benchmark's harness as a module, importing its own ``models`` (not the tests')."""
     saved = sys.modules.pop("models", None)  # tests/support/models.py, if a test imported it
     sys.path.insert(0, str(SCRIPT.parent))
     try:
-        spec = importlib.util.spec_from_file_location("bench_engine", SCRIPT)
+        spec = importlib.util.spec_from_file_location("bench_harness", HARNESS)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # its dataclasses look themselves up there

@@ -1,0 +1,379 @@
+"""The engine benchmark's harness: what runs on the ranks, and how it is timed and measured.
+
+``time_model`` trains every system on one model in one pair of processes, in interleaved
+rounds (``round_order``); ``measure_memory`` measures one system's peak memory in a fresh
+pair. Both run through ``run_ranks``, the tests' rank launcher (``tests/support/multirank.py``):
+one intra-op thread per rank, a real process group on a free loopback port. ``bench_stats.py``
+turns their figures into medians and ratios; ``bench_engine.py`` is the command line.
+bench_syncbn.py and bench_lightning.py reuse ``train_steps``, ``run_meta`` and the optimizer
+settings.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+import bucketddp
+from bucketddp import BucketDataParallel
+from models import MODELS, Batch, ModelSpec, count_parameters, loss_fn
+
+# The one rank launcher, shared with the tests. Appended, not prepended: ``models`` is this
+# directory's (the benchmark models), not tests/support/models.py.
+SUPPORT = Path(__file__).resolve().parents[1] / "tests" / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.append(str(SUPPORT))
+from multirank import run_ranks  # noqa: E402
+
+RANKS_TIMEOUT = 900.0
+"""Seconds one ``run_ranks`` call of a benchmark may take: a whole model's timing run."""
+
+SYSTEMS = ("local", "torch_ddp", "bucketddp")
+NULL_SYSTEM = "torch_ddp_b"
+"""A second torch DDP (``--null``): the A/A comparison that shows the noise floor."""
+LR = 0.01
+MOMENTUM = 0.9
+
+
+@dataclass(frozen=True)
+class Config:
+    """The knobs of one timing run, shipped to every rank."""
+
+    rounds: int
+    steps: int
+    warmup: int
+    batch_size: int | None
+    """Per-rank batch size; None means each model's own default."""
+    memory_steps: int
+    bucket_cap_mb: float | None = None
+    """bucket_cap_mb of both wrappers; None leaves each at its default (25 MB)."""
+    first_bucket_mb: float | None = None
+    """bucketddp's first_bucket_mb; None means torch DDP's first bucket: 1 MB with the
+    default cap, and ``bucket_cap_mb`` itself when that is given (torch 2.13's rule)."""
+    comm_hook: str | None = None
+    """A key of COMM_HOOKS registered on both wrappers; None for their own all-reduce."""
+    device: str = "cpu"
+    """"cpu" (gloo) or "cuda" (NCCL, one GPU per rank)."""
+    malloc_mmap_kb: int | None = None
+    """CPU memory runs: glibc maps each allocation of at least this many KiB on its own and
+    returns it when freed (see ``exact_malloc``); None leaves the allocator as it is."""
+
+
+COMM_HOOKS = {
+    "allreduce": default_hooks.allreduce_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+}
+"""The communication hooks ``--comm-hook`` offers: torch's own, given to both wrappers."""
+
+
+def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
+    """The model as ``system`` trains it: bare, in torch DDP, or in BucketDataParallel.
+
+    Both wrappers use their default options, except for the bucket sizes and the
+    communication hook ``cfg`` sets.
+    """
+    cap = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
+    wrapped: DistributedDataParallel | BucketDataParallel
+    if system == "local":
+        return model
+    if system in ("torch_ddp", NULL_SYSTEM):
+        wrapped = DistributedDataParallel(model, **cap)
+    elif system == "bucketddp":
+        # torch DDP makes its first bucket as large as an explicit bucket_cap_mb: the same
+        # here, unless a first bucket size is asked for, so both launch the same buckets.
+        first_mb = cfg.bucket_cap_mb if cfg.first_bucket_mb is None else cfg.first_bucket_mb
+        first = {} if first_mb is None else {"first_bucket_mb": first_mb}
+        wrapped = BucketDataParallel(model, **cap, **first)
+    else:
+        raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+    if cfg.comm_hook is not None:
+        wrapped.register_comm_hook(None, COMM_HOOKS[cfg.comm_hook])
+    return wrapped
+
+
+def round_order(systems: Sequence[str], round_: int) -> list[str]:
+    """The order of ``systems`` in round ``round_``, from a Williams design.
+
+    Over a cycle of rounds (as many as systems when their number is even, twice that when
+    it is odd) every system runs in every position equally often and directly follows
+    every other system equally often, so neither a slot in the round nor the system that
+    ran just before (its warm caches, its leftover gloo traffic) favours one of them. A
+    plain rotation balances the positions only: with three systems, one of them would
+    follow a given other in two rounds of three.
+    """
+    n = len(systems)
+    first = [0]
+    low, high = 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(x + k) % n for x in first] for k in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [systems[i] for i in rows[round_ % len(rows)]]
+
+
+def make_batches(spec: ModelSpec, cfg: Config, rank: int, round_: int, count: int) -> list[Batch]:
+    """The batches of one round on one rank: the same for every system in that round."""
+    size = cfg.batch_size or spec.batch_size
+    made = [spec.batch(size, seed=1_000_000 * round_ + 1000 * rank + i) for i in range(count)]
+    return [(x.to(cfg.device), y.to(cfg.device)) for x, y in made]
+
+
+def train_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[Batch],
+    cuda: bool = False,
+) -> list[list[float]]:
+    """Train one step per batch; per step: [total, forward, backward, optimizer, wait, cpu] s.
+
+    The forward phase includes the loss; the optimizer phase includes ``zero_grad``.
+    ``wait`` is bucketddp's own ``comm_stats.wait_seconds`` (0 for other systems); ``cpu``
+    is the CPU time of the whole process (every thread, gloo's included) during the step.
+    On CUDA the step ends with a device synchronize, so the total covers the GPU's work;
+    the phases are then the host's time to issue each one.
+    """
+    rows = []
+    if cuda:
+        torch.cuda.synchronize()
+    for batch in batches:
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        loss = loss_fn(model, batch)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        wait = model.comm_stats.wait_seconds if isinstance(model, BucketDataParallel) else 0.0
+        rows.append([t3 - t0, t1 - t0, t2 - t1, t3 - t2, wait, time.process_time() - c0])
+    return rows
+
+
+def time_model(
+    rank: int, world_size: int, model_name: str, systems: Sequence[str], cfg: Config
+) -> dict[str, Any]:
+    """Interleaved rounds of every system on one model; returns per-round step figures.
+
+    Each step's total time is the max over ranks (a step is as slow as its slowest rank);
+    the phase columns are the mean over ranks.
+    """
+    spec = MODELS[model_name]
+    models = {s: wrap(s, spec.build(seed=0).to(cfg.device), cfg) for s in systems}
+    optimizers = {
+        s: torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for s, m in models.items()
+    }
+    per_round: dict[str, list[list[list[float]]]] = {s: [] for s in systems}
+    for r in range(cfg.rounds):
+        batches = make_batches(spec, cfg, rank, r, cfg.warmup + cfg.steps)
+        for s in round_order(systems, r):
+            dist.barrier()
+            rows = train_steps(models[s], optimizers[s], batches, cfg.device == "cuda")
+            per_round[s].append(over_ranks(rows[cfg.warmup :], world_size, cfg.device))
+    info: dict[str, Any] = {"params": count_parameters(models[systems[0]])}
+    if "bucketddp" in models:
+        plan = models["bucketddp"].bucket_plan
+        info["bucketddp_buckets"] = len(plan)
+        info["bucketddp_bucket_mb"] = [round(b.nbytes / 2**20, 3) for b in plan]
+        info["bucketddp_collectives"] = models["bucketddp"].comm_stats.collectives
+    if "torch_ddp" in models:
+        info["torch_ddp_bucket_mb"] = ddp_bucket_mb(models["torch_ddp"])
+    return {"per_round": per_round, **info}
+
+
+def over_ranks(rows: Sequence[Sequence[float]], world_size: int, device: str) -> list[list[float]]:
+    """Per step, the first column's max over ranks (a step is as slow as its slowest rank)
+    and the other columns' mean over ranks. Every rank must call it (two all-reduces)."""
+    # On the ranks' device: NCCL reduces CUDA tensors only.
+    figures = torch.tensor(rows, dtype=torch.float64, device=device)
+    slowest = figures[:, :1].clone()
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    mean = figures[:, 1:].clone()
+    dist.all_reduce(mean)
+    mean /= world_size
+    return torch.cat([slowest, mean], dim=1).tolist()
+
+
+def ddp_bucket_mb(model: nn.Module) -> list[float] | None:
+    """The bucket sizes torch DDP settled on after its rebuild, in MB; None if unavailable.
+
+    Read from DDP's own logging data, a private method: the benchmark's window on whether both
+    engines run the same collectives.
+    """
+    try:
+        sizes = model._get_ddp_logging_data().get("rebuilt_bucket_sizes")  # type: ignore[operator]
+    except (AttributeError, RuntimeError):
+        return None
+    if not isinstance(sizes, str) or not sizes:
+        return None
+    return [round(int(b) / 2**20, 3) for b in sizes.split(",")]
+
+
+def _rss_kb() -> int:
+    """Current resident set size of this process in KiB (Linux), else the peak so far."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def exact_malloc(threshold_kb: int) -> None:
+    """Make glibc map each allocation of ``threshold_kb`` KiB or more on its own, and unmap it
+    when freed; heap memory above the top is returned at once.
+
+    With glibc's defaults, a freed block is kept for reuse and the mmap threshold grows with
+    the blocks freed, so a process's peak RSS depends on the order of its allocations as
+    much as on their sizes: a few MB either way between fresh processes running the same
+    code. With this, RSS follows the memory in use, and the pairs agree to a fraction of a
+    MB. Linux with glibc only; raises RuntimeError elsewhere.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    mallopt = getattr(libc, "mallopt", None)
+    trim = getattr(libc, "malloc_trim", None)
+    # mallopt's parameter numbers, from glibc's malloc.h.
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if (
+        mallopt is None
+        or trim is None
+        or mallopt(m_mmap_threshold, threshold_kb * 1024) != 1
+        or mallopt(m_trim_threshold, 0) != 1
+    ):
+        raise RuntimeError(
+            "--malloc-mmap-kb needs glibc's mallopt (Linux); this C library has none or "
+            "refused the threshold. Run without --malloc-mmap-kb here."
+        )
+    trim(0)
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0); False if unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_memory(
+    rank: int, world_size: int, model_name: str, system: str, cfg: Config
+) -> dict[str, Any]:
+    """Peak RSS growth of one system in a fresh process, from "model built" to "steps done".
+
+    The baseline is taken after the model and the batches exist but before wrapping, so the
+    figure covers what the wrapper adds (buckets, bookkeeping, gloo buffers) plus what
+    training adds (gradients, momentum, activations), and not the model itself. On CUDA
+    the figures are the GPU memory torch's allocator hands out, from the same point.
+    """
+    spec = MODELS[model_name]
+    model = spec.build(seed=0).to(cfg.device)
+    batches = make_batches(spec, cfg, rank, 0, cfg.memory_steps)
+    dist.barrier()
+    if cfg.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        wrapped = wrap(system, model, cfg)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR, momentum=MOMENTUM)
+        train_steps(wrapped, optimizer, batches, cuda=True)
+        peak = torch.cuda.max_memory_allocated()
+        return {
+            "baseline_mb": base / 2**20,
+            "peak_mb": peak / 2**20,
+            "delta_mb": (peak - base) / 2**20,
+            "peak_reset": True,
+        }
+    if cfg.malloc_mmap_kb is not None:
+        exact_malloc(cfg.malloc_mmap_kb)
+    reset = _reset_peak_rss()
+    baseline_kb = _rss_kb()
+    wrapped = wrap(system, model, cfg)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR, momentum=MOMENTUM)
+    train_steps(wrapped, optimizer, batches)
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "baseline_mb": baseline_kb / 1024,
+        "peak_mb": peak_kb / 1024,
+        "delta_mb": (peak_kb - baseline_kb) / 1024,
+        "peak_reset": reset,
+        "malloc_mmap_kb": cfg.malloc_mmap_kb,
+    }
+
+
+def measure_model_memory(
+    name: str, cfg: Config, repeats: int, backend: str
+) -> dict[str, dict[str, Any]]:
+    """Peak memory of every system on one model: ``repeats`` fresh pairs each, interleaved.
+
+    Each pair gives the larger of its two ranks' figures; a system's ``delta_mb`` is the
+    median over its pairs (``repeats_delta_mb`` lists them), which tames the allocator's
+    run-to-run noise of a few MB.
+    """
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
+    for r in range(repeats):
+        for s in round_order(SYSTEMS, r):
+            ranks = run_ranks(
+                measure_memory, 2, name, s, cfg, timeout=RANKS_TIMEOUT, backend=backend
+            )
+            worst = max(ranks, key=lambda m: m["delta_mb"])
+            runs[s].append({**worst, "per_rank_delta_mb": [m["delta_mb"] for m in ranks]})
+    out = {}
+    for s, pairs in runs.items():
+        deltas = [p["delta_mb"] for p in pairs]
+        median = statistics.median(deltas)
+        middle = min(pairs, key=lambda p: abs(p["delta_mb"] - median))
+        out[s] = {**middle, "delta_mb": median, "repeats_delta_mb": deltas}
+    return out
+
+
+def loadavg() -> list[float] | None:
+    """The 1/5/15-minute load averages, rounded, or None where the OS has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def run_meta(**extra: Any) -> dict[str, Any]:
+    """What a benchmark's JSON records of the run: date, versions, machine, then ``extra``."""
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "bucketddp": bucketddp.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "threads_per_rank": 1,
+        "backend": "gloo",
+        **extra,
+    }

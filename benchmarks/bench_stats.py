@@ -1,0 +1,170 @@
+"""The engine benchmark's statistics: medians, ratios, bootstrap intervals and pooling.
+
+Pure functions of the figures ``bench_harness.time_model`` returns, and of earlier runs'
+JSON reports: nothing here runs a model.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from bench_harness import NULL_SYSTEM
+
+
+def median(xs: Sequence[float]) -> float:
+    """The median of ``xs``; NaN for none."""
+    return statistics.median(xs) if xs else float("nan")
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs``, interpolated linearly; NaN for none."""
+    ordered = sorted(xs)
+    if not ordered:
+        return float("nan")
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def bootstrap_ci(
+    xs: Sequence[float], *, level: float = 0.95, resamples: int = 4000, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median of ``xs`` (deterministic for one seed).
+
+    Resamples ``xs`` with replacement, takes each resample's median and returns the
+    ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles of those medians.
+    """
+    if not xs:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    medians = [statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples)]
+    tail = (1 - level) / 2
+    return quantile(medians, tail), quantile(medians, 1 - tail)
+
+
+def verdict(ci: tuple[float, float]) -> str:
+    """Read a ratio's interval: below 1 is faster, above 1 slower, across 1 within noise."""
+    lo, hi = ci
+    if hi < 1:
+        return "faster"
+    if lo > 1:
+        return "slower"
+    return "within noise"
+
+
+def _compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """Step-time ratios of one system's figures over another's: pooled and per round."""
+    round_ratios = [
+        a / b for a, b in zip(ours["round_medians_ms"], theirs["round_medians_ms"], strict=True)
+    ]
+    return {
+        "ratio_of_medians": ours["median_ms"] / theirs["median_ms"],
+        "median_round_ratio": median(round_ratios),
+        "round_ratios": round_ratios,
+        "round_ratio_ci95": list(bootstrap_ci(round_ratios)),
+    }
+
+
+def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
+    """Medians, ratios and exposed communication of one model's timing run (in ms)."""
+    per_round = raw["per_round"]
+    out: dict[str, Any] = {"params": raw["params"], "systems": {}}
+    for s in systems:
+        rounds = per_round[s]
+        steps = [row for rnd in rounds for row in rnd]
+        totals = [1000 * row[0] for row in steps]
+        out["systems"][s] = {
+            "median_ms": median(totals),
+            "p25_ms": quantile(totals, 0.25),
+            "p75_ms": quantile(totals, 0.75),
+            "round_medians_ms": [median([1000 * row[0] for row in rnd]) for rnd in rounds],
+            "forward_ms": median([1000 * row[1] for row in steps]),
+            "backward_ms": median([1000 * row[2] for row in steps]),
+            "optimizer_ms": median([1000 * row[3] for row in steps]),
+            "comm_wait_ms": median([1000 * row[4] for row in steps]),
+            "cpu_ms": median([1000 * row[5] for row in steps]),
+            "step_ms": [[1000 * row[0] for row in rnd] for rnd in rounds],
+        }
+    figures = out["systems"]
+    if "local" in figures:
+        floor = figures["local"]["median_ms"]
+        for s in systems:
+            if s != "local":
+                figures[s]["exposed_comm_ms"] = figures[s]["median_ms"] - floor
+    if "torch_ddp" in figures and "bucketddp" in figures:
+        out.update(_compare(figures["bucketddp"], figures["torch_ddp"]))
+        out["cpu_ratio"] = figures["bucketddp"]["cpu_ms"] / figures["torch_ddp"]["cpu_ms"]
+    if "torch_ddp" in figures and NULL_SYSTEM in figures:
+        null = _compare(figures[NULL_SYSTEM], figures["torch_ddp"])
+        out.update({f"null_{key}": value for key, value in null.items()})
+    if "local" in figures and "bucketddp" in figures:
+        out["bucketddp_over_local"] = (
+            figures["bucketddp"]["median_ms"] / figures["local"]["median_ms"]
+        )
+        out["bucketddp_over_local_rounds"] = median(
+            [
+                a / b
+                for a, b in zip(
+                    figures["bucketddp"]["round_medians_ms"],
+                    figures["local"]["round_medians_ms"],
+                    strict=True,
+                )
+            ]
+        )
+    kept = ("bucketddp_buckets", "bucketddp_bucket_mb", "bucketddp_collectives")
+    for key in (*kept, "torch_ddp_bucket_mb"):
+        if key in raw:
+            out[key] = raw[key]
+    return out
+
+
+POOL_KEYS = ("steps", "warmup", "batch_size", "bucket_cap_mb", "first_bucket_mb", "comm_hook")
+"""Config entries that must agree between pooled runs (rounds and models may differ)."""
+
+
+def pool_reports(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Pool the round ratios of several runs' JSON reports, per section and model.
+
+    Raises ValueError, naming the file, if a report was made with other step counts,
+    batch size or bucket options than the first one: their ratios do not measure the same
+    thing.
+    """
+    for name, report in reports:
+        if not isinstance(report, dict) or "config" not in report:
+            raise ValueError(f"{name}: not a report of bench_engine.py (it has no 'config')")
+    first_name, first = reports[0]
+    pooled: dict[str, Any] = {}
+    for name, report in reports:
+        for key in POOL_KEYS:
+            if report["config"].get(key) != first["config"].get(key):
+                raise ValueError(
+                    f"{name}: {key} is {report['config'].get(key)!r}, but "
+                    f"{first['config'].get(key)!r} in {first_name}; pool only runs made with "
+                    "the same options"
+                )
+        for section in ("world_size_2", "world_size_1"):
+            for model, res in report.get(section, {}).items():
+                if "round_ratios" not in res:
+                    continue
+                entry = pooled.setdefault(section, {}).setdefault(model, {"runs": 0})
+                entry["runs"] += 1
+                for prefix in ("", "null_"):  # bucketddp's ratios, then the null's if run
+                    if f"{prefix}round_ratios" in res:
+                        entry.setdefault(f"{prefix}round_ratios", []).extend(
+                            res[f"{prefix}round_ratios"]
+                        )
+                        entry.setdefault(f"{prefix}ratio_of_medians", []).append(
+                            res[f"{prefix}ratio_of_medians"]
+                        )
+    for models in pooled.values():
+        for entry in models.values():
+            for prefix in ("", "null_"):
+                if f"{prefix}round_ratios" in entry:
+                    ratios = entry[f"{prefix}round_ratios"]
+                    entry[f"{prefix}median_round_ratio"] = median(ratios)
+                    entry[f"{prefix}round_ratio_ci95"] = list(bootstrap_ci(ratios))
+    return pooled
