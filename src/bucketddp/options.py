@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .buffers import Policy, check_policy, check_rules
+from .buffers.policies import Policy, check_policy, check_rules
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's, also what its bucket_cap_mb=None means
 DEFAULT_FIRST_BUCKET_MB = 1.0  # torch DDP's first bucket with its default cap

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch import nn
 
-from bucketddp.buffers import POLICIES, BufferGroup, group_buffers, policy_label, resolve_policies
+from bucketddp.buffers.policies import (
+    POLICIES,
+    BufferGroup,
+    BufferRules,
+    group_buffers,
+    policy_label,
+    resolve_policies,
+    scan_buffers,
+)
 
 F32, F64, I64 = torch.float32, torch.float64, torch.int64
 CPU = torch.device("cpu")
@@ -271,3 +282,76 @@ def test_broadcast_groups_span_dtypes() -> None:
         BufferGroup("broadcast", None, CPU, ("f", "i", "d")),
         BufferGroup("max", I64, CPU, ("m",)),
     ]
+
+
+# ------------------------------------------------- a module's rules, before and after wrapping
+
+
+class Stats(nn.Module):
+    default_buffer_policy = "none"  # statistics kept in agreement by the module itself
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running", torch.zeros(2))
+
+
+class Net(nn.Module):
+    def __init__(self, hook_rules: object = None) -> None:
+        super().__init__()
+        self.stats = Stats()
+        self.register_buffer("ema", torch.zeros(3))
+        self.register_buffer("steps", torch.zeros((), dtype=I64))
+        self.register_buffer("later", None)
+        self._hook_rules = hook_rules
+
+    def configure_buffer_sync(self) -> object:
+        return self._hook_rules
+
+
+def _rules(net: nn.Module, **kwargs: Any) -> BufferRules:
+    given: dict[str, Any] = {"rules": None, "default": "broadcast", "ignored": ()}
+    given["default_is_rank_local"] = True
+    return BufferRules.read(net, **{**given, **kwargs})
+
+
+def test_scan_finds_buffers_placeholders_and_module_defaults() -> None:
+    found = scan_buffers(Net(), ignored={"steps"})
+    assert list(found.owners) == ["ema", "stats.running"]
+    assert found.placeholders == ["later"]
+    assert found.module_defaults == {"stats.running": "none"}
+
+
+def test_rules_read_the_module_hook_and_refuse_bad_ones() -> None:
+    rules = _rules(Net({"ema": "mean"}), rules={"steps": "sum"})
+    assert rules.resolve(scan_buffers(Net(), ())) == {
+        "ema": "mean",
+        "steps": "sum",
+        "stats.running": "none",
+    }
+    with pytest.raises(TypeError, match=r"configure_buffer_sync\(\) returned a list"):
+        _rules(Net(["ema"]))
+    with pytest.raises(ValueError, match="_ddp_params_and_buffers_to_ignore lists it"):
+        _rules(Net({"ema": "mean"}), ignored={"ema"})
+
+
+def test_buffers_after_wrapping_keep_or_get_their_policies() -> None:
+    net = Net({"ema": "mean", "later": "max"})
+    rules = _rules(net)
+    known = rules.resolve(scan_buffers(net, ()))
+    del net.ema
+    net.later = torch.zeros(4)
+    again = rules.resolve_again(scan_buffers(net, ()), {**known, "steps": "sum"})
+    # "ema" is gone, though a rule names it; "later" follows its rule; "steps" keeps its own.
+    assert again == {"steps": "sum", "later": "max", "stats.running": "none"}
+
+
+def test_rank_local_buffers_are_the_none_of_a_rule_or_the_default() -> None:
+    net = Net({"steps": "none"})
+    found = scan_buffers(net, ())
+    by_rule = _rules(net)
+    assert by_rule.rank_local(by_rule.resolve(found), found.module_defaults) == {"steps"}
+    by_default = _rules(net, default="none")
+    policies = by_default.resolve(found)
+    assert by_default.rank_local(policies, found.module_defaults) == {"ema", "steps"}
+    forward_sync_off = _rules(net, default="none", default_is_rank_local=False)
+    assert forward_sync_off.rank_local(policies, found.module_defaults) == {"steps"}
