@@ -59,8 +59,11 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "engine.json"
 
 
 # ------------------------------------------------------------------------- output
-def _fmt_params(n: int) -> str:
-    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.0f}K"
+def _fmt_size(res: dict[str, Any]) -> str:
+    """A model's parameters and parameter tensors, such as "0.93M, 54 tensors"."""
+    n = res["params"]
+    params = f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.0f}K"
+    return f"{params}, {res['tensors']} tensors"
 
 
 def _fmt_peak(mem: dict[str, Any] | None, local: dict[str, Any] | None) -> str:
@@ -90,8 +93,9 @@ def print_time_table(
     for name, res in results.items():
         figures = res["systems"]
         floor = figures.get("local", {}).get("median_ms")
+        labels = [name, _fmt_size(res)]  # down the first column, beside the systems
         for i, (s, f) in enumerate(figures.items()):
-            label = f"{name} ({_fmt_params(res['params'])})" if i == 0 else ""
+            label = labels[i] if i < len(labels) else ""
             rel = f"{f['median_ms'] / floor:.3f}" if floor else "-"
             exposed = f"{f['exposed_comm_ms']:+.1f}" if "exposed_comm_ms" in f else "-"
             mem = memory.get(name, {}).get(s)
@@ -155,14 +159,14 @@ def pool_main(paths: Sequence[Path]) -> int:
             lo, hi = e["round_ratio_ci95"]
             per_run = ", ".join(f"{r:.3f}" for r in e["ratio_of_medians"])
             print(
-                f"{model:<12} median of {len(e['round_ratios'])} round ratios "
+                f"{model:<16} median of {len(e['round_ratios'])} round ratios "
                 f"{e['median_round_ratio']:.3f}, 95% interval {lo:.3f}-{hi:.3f}, "
                 f"{verdict((lo, hi))}; ratio of medians per run: {per_run}"
             )
             if "null_round_ratios" in e:
                 lo, hi = e["null_round_ratio_ci95"]
                 print(
-                    f"{'':<12} null, {NULL_SYSTEM}/torch_ddp: median of "
+                    f"{'':<16} null, {NULL_SYSTEM}/torch_ddp: median of "
                     f"{len(e['null_round_ratios'])} round ratios {e['null_median_round_ratio']:.3f}"
                     f", 95% interval {lo:.3f}-{hi:.3f} (from {len(e['null_ratio_of_medians'])} of "
                     f"the {e['runs']} runs)"

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import bucketddp
 from bucketddp import BucketDataParallel
-from models import MODELS, Batch, ModelSpec, count_parameters, loss_fn
+from models import MODELS, Batch, ModelSpec, count_parameters, count_tensors, loss_fn
 
 # The one rank launcher, shared with the tests. Appended, not prepended: ``models`` is this
 # directory's (the benchmark models), not tests/support/models.py.
@@ -192,7 +192,8 @@ def time_model(
             dist.barrier()
             rows = train_steps(models[s], optimizers[s], batches, cfg.device == "cuda")
             per_round[s].append(over_ranks(rows[cfg.warmup :], world_size, cfg.device))
-    info: dict[str, Any] = {"params": count_parameters(models[systems[0]])}
+    bare = models[systems[0]]
+    info: dict[str, Any] = {"params": count_parameters(bare), "tensors": count_tensors(bare)}
     if "bucketddp" in models:
         plan = models["bucketddp"].bucket_plan
         info["bucketddp_buckets"] = len(plan)

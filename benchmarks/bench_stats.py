@@ -72,7 +72,7 @@ def _compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
 def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
     """Medians, ratios and exposed communication of one model's timing run (in ms)."""
     per_round = raw["per_round"]
-    out: dict[str, Any] = {"params": raw["params"], "systems": {}}
+    out: dict[str, Any] = {"params": raw["params"], "tensors": raw["tensors"], "systems": {}}
     for s in systems:
         rounds = per_round[s]
         steps = [row for rnd in rounds for row in rnd]

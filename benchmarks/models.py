@@ -139,6 +139,21 @@ def transformer_batch(batch_size: int, generator: torch.Generator) -> Batch:
     return seq[:, :-1], seq[:, 1:].reshape(-1)
 
 
+# -------------------------------------------------------- deep, narrow transformer
+DEEP_LAYERS = 25
+DEEP_WIDTH = 64
+
+
+def deep_transformer() -> TinyTransformer:
+    """:class:`TinyTransformer` 25 layers deep and 64 wide: 306 parameter tensors, 12 per
+    layer of at most 16K elements each, about 1.32M parameters in all.
+
+    Many small gradients and little arithmetic per step: where a Python hook per parameter
+    costs the most next to torch DDP's C++ reducer.
+    """
+    return TinyTransformer(d_model=DEEP_WIDTH, heads=4, layers=DEEP_LAYERS)
+
+
 # ------------------------------------------------------------------------- registry
 @dataclass(frozen=True)
 class ModelSpec:
@@ -178,9 +193,17 @@ MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec("mlp", MLP, mlp_batch, batch_size=32),
     "convnet": ModelSpec("convnet", ConvNet, conv_batch, batch_size=16),
     "transformer": ModelSpec("transformer", TinyTransformer, transformer_batch, batch_size=8),
+    "deep_transformer": ModelSpec(
+        "deep_transformer", deep_transformer, transformer_batch, batch_size=4
+    ),
 }
 
 
 def count_parameters(model: nn.Module) -> int:
     """Number of trainable parameter elements."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def count_tensors(model: nn.Module) -> int:
+    """Number of trainable parameter tensors: the gradients a reducer handles per step."""
+    return sum(1 for p in model.parameters() if p.requires_grad)

@@ -128,6 +128,19 @@ def test_round_order_balances_positions_and_predecessors(count: int) -> None:
     assert len(follows) == count * (count - 1) and len(set(follows.values())) == 1
 
 
+def test_the_deep_transformer_has_about_300_small_tensors_and_trains() -> None:
+    # The benchmark's many-tensor model, where a hook per parameter costs the most: it keeps
+    # its shape, and one step runs (in this process; the bench runs it like the others).
+    harness = load_bench()
+    spec = harness.MODELS["deep_transformer"]
+    model = spec.build(seed=0)
+    per_layer = [p.numel() for p in model.encoder.layers[0].parameters()]
+    assert harness.count_tensors(model) == 306
+    assert len(per_layer) == 12 and max(per_layer) <= 16 * 1024
+    harness.loss_fn(model, spec.batch()).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_bad_bucket_size_is_refused() -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--bucket-cap-mb", "0"],
