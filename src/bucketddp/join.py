@@ -7,26 +7,26 @@ all-reduce, the *step header*, which tells every rank three things about the ite
 which ranks still train, whether buffers are synced before this forward, and whether a
 synced backward follows. A rank that has joined answers each iteration in ``main_hook``:
 it reads the same header, takes part in the buffer sync without adding its own values, and
-contributes zeros to every gradient bucket (``Reducer.shadow_backward``). When every rank
+contributes zeros to every gradient bucket (``reducer/shadow.py``). When every rank
 has joined, ``post_hook`` gives every rank the parameters and broadcast buffers of a rank
 that joined last, as torch DDP does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
+from .buffers import BufferSync
 from .comm import broadcast_coalesced
-
-if TYPE_CHECKING:
-    from .parallel import BucketDataParallel
+from .reducer import Reducer
+from .reducer.shadow import set_training_ranks, shadow_backward
 
 
 @dataclass(frozen=True)
@@ -124,28 +124,80 @@ def check_joinable(module: nn.Module) -> None:
         )
 
 
-class BucketJoinHook(JoinHook):
-    """Shadows a ``BucketDataParallel`` iteration on a rank that has joined."""
+def training_step(
+    reducer: Reducer,
+    buffers: BufferSync,
+    device: torch.device,
+    *,
+    sync_buffers: bool,
+    divide_by_initial_world_size: bool,
+    notified: Any = None,
+) -> None:
+    """On a rank still training, before a forward: exchange the step header, sync buffers.
 
-    def __init__(self, wrapper: BucketDataParallel) -> None:
-        self.wrapper = wrapper
-        self.world_size = wrapper.reducer.world_size
+    The joined ranks learn from the header what this iteration does; the reducer learns
+    how many ranks send gradients, and over how many they are averaged. ``notified`` is
+    Join's notification in flight, waited for once the header is exchanged.
+    """
+    world_size = reducer.world_size
+    part = header(
+        reducer.rank,
+        world_size,
+        sync_buffers=sync_buffers,
+        sync_backward=torch.is_grad_enabled() and reducer.sync_enabled,
+    )
+    step = exchange_header(part, reducer.process_group, device, world_size)
+    if notified is not None:
+        notified.wait()
+    if step.sync_buffers:
+        buffers.sync(src=step.src, ranks=step.ranks)
+    if step.sync_backward:
+        divisor = world_size if divide_by_initial_world_size else step.ranks
+        set_training_ranks(reducer, step.ranks, divisor)
+
+
+class BucketJoinHook(JoinHook):
+    """Shadows an iteration of the ranks still training, on a rank that has joined.
+
+    Args:
+        reducer: the wrapper's reducer.
+        buffers: the wrapper's buffer sync.
+        device: where the join's own collectives run (the module's device).
+        params: the parameters every rank takes from a rank that joined last.
+        on_end: called on every rank once every rank has joined.
+    """
+
+    def __init__(
+        self,
+        reducer: Reducer,
+        buffers: BufferSync,
+        device: torch.device,
+        params: Callable[[], list[nn.Parameter]],
+        on_end: Callable[[], None],
+    ) -> None:
+        self.reducer = reducer
+        self.buffers = buffers
+        self.device = device
+        self.params = params
+        self.on_end = on_end
 
     def main_hook(self) -> None:
         """Match one iteration of the ranks still training: header, buffers, backward."""
-        w = self.wrapper
-        part = header(None, self.world_size, sync_buffers=False, sync_backward=False)
-        step = exchange_header(part, w.process_group, w.join_device, self.world_size)
+        world_size = self.reducer.world_size
+        part = header(None, world_size, sync_buffers=False, sync_backward=False)
+        step = exchange_header(part, self.reducer.process_group, self.device, world_size)
         if step.sync_buffers:
-            w.buffers_sync.sync(src=step.src, ranks=step.ranks, contribute=False)
+            self.buffers.sync(src=step.src, ranks=step.ranks, contribute=False)
         if step.sync_backward:
-            w.reducer.shadow_backward()
+            shadow_backward(self.reducer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Give every rank the parameters and broadcast buffers of a rank that joined last."""
-        w = self.wrapper
-        src = last_joiner(is_last_joiner, w.process_group, w.join_device)
-        tensors = [*(p for _, p in w._named_parameters()), *w.buffers_sync.broadcast_buffers()]
+        group = self.reducer.process_group
+        src = last_joiner(is_last_joiner, group, self.device)
+        tensors = [*self.params(), *self.buffers.broadcast_buffers()]
         with torch.no_grad():
-            broadcast_coalesced(tensors, w.process_group, src=src)
-        w._end_join()
+            broadcast_coalesced(tensors, group, src=src)
+        world_size = self.reducer.world_size
+        set_training_ranks(self.reducer, world_size, world_size)
+        self.on_end()

@@ -6,7 +6,7 @@ Pure functions of the module: no process groups, no collectives.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 
@@ -125,3 +125,20 @@ def sparse_parameters(module: nn.Module) -> list[str]:
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
     }
     return [n for n, p in module.named_parameters() if id(p) in ids]
+
+
+def parameter_changes(
+    names: Sequence[str],
+    params: Sequence[nn.Parameter],
+    current: Sequence[tuple[str, nn.Parameter]],
+) -> tuple[list[tuple[str, nn.Parameter]], list[str]]:
+    """The ``current`` parameters that are not among ``params``, and the names of those gone.
+
+    Compares ``Parameter`` objects, not names: a layer replaced under the same name brings
+    new objects.
+    """
+    known = {id(p) for p in params}
+    now = {id(p) for _, p in current}
+    added = [(n, p) for n, p in current if id(p) not in known]
+    removed = [n for n, p in zip(names, params, strict=True) if id(p) not in now]
+    return added, removed

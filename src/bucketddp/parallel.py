@@ -19,17 +19,19 @@ from .buffers import BufferSync, Policy
 from .comm import broadcast_coalesced, module_device, verify_same_model
 from .comm_hooks import CommHook
 from .forward_io import hook_outputs, to_device
-from .join import BucketJoinHook, check_joinable, exchange_header, header
+from .join import BucketJoinHook, check_joinable, training_step
 from .module_checks import (
     check_initialized,
     check_wrappable,
     ignored_names,
     model_signature,
+    parameter_changes,
     sparse_parameters,
 )
 from .options import EngineOptions
 from .placement import input_device, reduce_group
 from .reducer import NO_TRAINABLE, CommStats, Reducer
+from .reducer.recovery import discard_step, step_unfinished
 from .syncbn import separate_group
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ class BucketDataParallel(nn.Module, Joinable):
     the gradients after ``backward()`` are the average over ranks, the parameters and
     buffers start from rank 0's values, and ``state_dict()`` keys carry a ``module.``
     prefix. Parameters may be frozen or unfrozen after wrapping, alike on every rank; the
-    reducer follows (see ``docs/engine.md``).
+    reducer follows (see ``docs/frozen-parameters.md``).
 
     Args:
         module: the model, already on its device; the same model on every rank.
@@ -194,37 +196,25 @@ class BucketDataParallel(nn.Module, Joinable):
     def _before_forward(self) -> None:
         if self._registrations != _structure.registrations():
             self._check_parameters()
-        if self.reducer.step_unfinished:
-            self.reducer.discard_step()
+        if step_unfinished(self.reducer):
+            discard_step(self.reducer)
         if self._join_config.enable:
-            self._join_step()
+            training_step(
+                self.reducer,
+                self.buffers_sync,
+                self.join_device,
+                sync_buffers=self._sync_buffers_next and self.buffers_sync.needed,
+                divide_by_initial_world_size=self._divide_by_initial_world_size,
+                # Raises under throw_on_early_termination.
+                notified=Join.notify_join_context(self),
+            )
         elif self._sync_buffers_next and self.buffers_sync.needed:
             self.buffers_sync.sync()
-        self.reducer.watch_requires_grad()
+        self.reducer.before_forward()
         grad_enabled = torch.is_grad_enabled()
         self._sync_buffers_next = grad_enabled and self.reducer.sync_enabled
         if grad_enabled:
-            self.reducer.arm()
-
-    def _join_step(self) -> None:
-        """Inside ``join()``: tell the joined ranks what this iteration does, then sync buffers."""
-        notified = Join.notify_join_context(self)  # raises under throw_on_early_termination
-        world_size = self.reducer.world_size
-        part = header(
-            self.reducer.rank,
-            world_size,
-            sync_buffers=self._sync_buffers_next and self.buffers_sync.needed,
-            sync_backward=torch.is_grad_enabled() and self.reducer.sync_enabled,
-        )
-        step = exchange_header(part, self.process_group, self.join_device, world_size)
-        if notified is not None:
-            notified.wait()
-        if step.sync_buffers:
-            self.buffers_sync.sync(src=step.src, ranks=step.ranks)
-        if step.sync_backward:
-            by_initial = self._divide_by_initial_world_size
-            self.reducer.set_divisor(world_size if by_initial else step.ranks)
-            self.reducer.set_training_ranks(step.ranks)
+            self.reducer.expect_backward()
 
     def join(
         self,
@@ -238,7 +228,7 @@ class BucketDataParallel(nn.Module, Joinable):
         runs out of batches matches the collectives of the ranks still training, contributing
         zero gradients, until every rank is done; then every rank takes the parameters (and
         broadcast buffers) of a rank that joined last. Every grad-enabled forward inside it
-        must be followed by one backward. See "Uneven inputs" in ``docs/engine.md``.
+        must be followed by one backward. See ``docs/uneven-inputs.md``.
 
         Args:
             divide_by_initial_world_size: average gradients over the world size (True, the
@@ -265,7 +255,13 @@ class BucketDataParallel(nn.Module, Joinable):
         """
         check_joinable(self.module)
         self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
-        return BucketJoinHook(self)
+        return BucketJoinHook(
+            self.reducer,
+            self.buffers_sync,
+            self.join_device,
+            lambda: [p for _, p in self._named_parameters()],
+            self._end_join,
+        )
 
     @property
     def join_device(self) -> torch.device:
@@ -278,40 +274,26 @@ class BucketDataParallel(nn.Module, Joinable):
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
     def _end_join(self) -> None:
-        """Leave join mode: called by the join hook once every rank has joined."""
+        """Leave join mode, once every rank has joined."""
         self._join_config = self._join_config._replace(enable=False)
-        self.reducer.set_divisor(self.reducer.world_size)
-        self.reducer.set_training_ranks(self.reducer.world_size)
         self._sync_buffers_next = True
 
     def _check_parameters(self) -> None:
         """Tell the reducer if the module's Parameter objects are no longer those it hooks."""
         self._registrations = _structure.registrations()
-        current = self._named_parameters()
-        known = {id(p) for p in self.reducer.all_params}
-        now = {id(p) for _, p in current}
-        added = [(n, p) for n, p in current if id(p) not in known]
-        removed = [
-            n
-            for n, p in zip(self.reducer.all_names, self.reducer.all_params, strict=True)
-            if id(p) not in now
-        ]
-        self.reducer.module_changed(added, removed)
+        r = self.reducer
+        self.reducer.module_changed(
+            *parameter_changes(r.all_names, r.all_params, self._named_parameters())
+        )
 
     def _new_reducer(self) -> Reducer:
-        options = self.options
         reducer = Reducer(
             self._named_parameters(),
             process_group=self.process_group,
+            options=self.options,
             sparse_names=sparse_parameters(self.module),
-            bucket_cap_mb=options.bucket_cap_mb,
-            first_bucket_mb=options.first_bucket_mb,
-            find_unused_parameters=options.find_unused_parameters,
-            gradient_as_bucket_view=options.gradient_as_bucket_view,
-            static_graph=options.static_graph,
+            buffer_layout=self.buffers_sync,
         )
-        reducer.buffer_layout = self.buffers_sync
-        reducer.unused_hint = options.unused_hint  # until the reducer takes options
         # A wrapper that is dropped takes its hooks along, as torch DDP's reducer does when
         # it is destroyed: the module trains plainly again, and a new wrapper is alone on it.
         # (The hooks hold the reducer, not the wrapper, so the wrapper can be collected.)
@@ -366,7 +348,7 @@ class BucketDataParallel(nn.Module, Joinable):
 
         Sets ``module._ddp_params_and_buffers_to_ignore``, the attribute both this wrapper
         and torch DDP read. Names are those of ``named_parameters()`` and
-        ``named_buffers()``; see "Ignored parameters and buffers" in ``docs/engine.md``.
+        ``named_buffers()``; see ``docs/ignored-parameters.md``.
         """
         module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore  # type: ignore[assignment]
 
@@ -391,7 +373,7 @@ class BucketDataParallel(nn.Module, Joinable):
         the bucket's local gradients, not yet averaged; its future holds the reduced buffer.
         Once per wrapper, between steps. SyncBatchNorm layers that normalize over the
         wrapper's group are moved to a private copy of it (see ``docs/syncbn.md``). See
-        ``docs/engine.md``.
+        ``docs/comm-hooks.md``.
         """
         self.reducer.register_comm_hook(state, hook)
         # A hook may launch collectives from another thread (its futures' callbacks), which
@@ -435,7 +417,7 @@ class BucketDataParallel(nn.Module, Joinable):
         (or with ``require_backward_grad_sync`` False), whatever the forward decided.
         Plain training loops never need it.
         """
-        self.reducer.arm(decide=True)
+        self.reducer.expect_backward(decide=True)
         if torch.is_grad_enabled():
             # Like a forward's outputs: the backward's first hook, in its outermost pass.
             hook_outputs(output, self.reducer.on_output_grad)

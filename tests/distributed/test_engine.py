@@ -167,7 +167,7 @@ def _views_and_plan(rank: int, world: int, set_to_none: bool) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
     reducer = ddp.reducer
-    bucket_ptrs = {b.storage.untyped_storage().data_ptr() for b in reducer._buckets}
+    bucket_ptrs = {b.storage.untyped_storage().data_ptr() for b in reducer.buckets}
     plan = ddp.bucket_plan
     return {
         "last": storages[-1],
@@ -236,7 +236,7 @@ def _layouts(rank: int, world: int) -> dict[str, Any]:
         "strides_match": all(p.grad.stride() == p.stride() for p in model.parameters()),
         "views": all(
             p.grad.data_ptr() == v.data_ptr()
-            for p, v in zip(model.parameters(), out["wrapped"].reducer._views, strict=True)
+            for p, v in zip(model.parameters(), out["wrapped"].reducer.views, strict=True)
         ),
     }
 

@@ -111,7 +111,7 @@ def _train(
                 _step(forward, name, step * accumulate + micro, rank).backward()
         no_grad.append([n for n, p in model.named_parameters() if p.grad is None])
         # Which gradients live in bucket storage after this backward, of those that exist.
-        storages = {b.storage.untyped_storage().data_ptr() for b in wrapped.reducer._buckets}
+        storages = {b.storage.untyped_storage().data_ptr() for b in wrapped.reducer.buckets}
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         in_buckets = {n for n, g in grads.items() if g.untyped_storage().data_ptr() in storages}
         opt.step()

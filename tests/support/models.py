@@ -352,9 +352,9 @@ def split_flags(rows: Callable[[int], int]) -> None:
     bfloat16 counts ranks exactly only up to 256: past that the flags are split in rows.
     Forcing the rows lets that path run at a world size this machine can hold.
     """
-    import bucketddp.reducer as reducer_module
+    from bucketddp.reducer import agreement
 
-    reducer_module._flag_rows = lambda dtype, world_size: rows(world_size)  # type: ignore[assignment]
+    agreement.row_count = lambda dtype, world_size: rows(world_size)  # type: ignore[assignment]
 
 
 def paired(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -407,17 +407,6 @@ class BufferSync:
         baseline = self._baseline if policy == "sum" else None
         return self._layout.with_stand_ins(names, tensors, baseline)
 
-    # TEMP alias for the old reducer: remove when reducer uses layout_changed/agree_layout
-    @property
-    def deviates(self) -> bool:
-        """The old name of :attr:`layout_changed`."""
-        return self.layout_changed
-
-    # TEMP alias for the old reducer: remove when reducer uses layout_changed/agree_layout
-    def settle(self) -> str | None:
-        """The old name of :meth:`agree_layout`."""
-        return self.agree_layout()
-
 
 def _none_message(name: str, policy: str) -> str:
     return (

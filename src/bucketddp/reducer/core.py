@@ -1,0 +1,403 @@
+"""The reducer core: from a parameter's gradient hook to averaged ``.grad`` tensors.
+
+Each gradient of a synced backward goes through::
+
+    autograd_hook -> mark_variable_ready -> stage (fill_slot) -> mark_bucket_ready
+        -> launch_ready (strictly in plan order, so every rank issues the same collectives)
+    end of backward: finalize_backward -> wait -> agree (the row) -> copy back -> reset
+
+Rare features plug in through a few seams and are built only when the model or the
+options need them: ``launch.py`` (a plain all-reduce, or a communication hook),
+``agreement.py`` (the row that rides on the last bucket), ``sparse.py``,
+``static_graph.py``, ``requires_grad.py``, ``module_changes.py``, ``kept_grads.py`` and
+``shadow.py`` (uneven inputs). See ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
+
+from ..buckets import BucketPlan, cap_bytes
+from ..comm_hooks import CommHook
+from . import errors, layout
+from .agreement import AgreementRow, BufferLayout, check, check_local
+from .autograd import COMPILED_AUTOGRAD, Once, compiled_autograd
+from .copy_back import take_agreed, take_as_planned
+from .kept_grads import SOLE_REFS, copy_on_write, kept_elsewhere, move_bucket
+from .launch import AllReduceLauncher, Launcher, use_hook
+from .members import Members
+from .module_changes import ModuleChanges
+from .order import adopt_learned_order, load_order
+from .requires_grad import RequiresGradWatch, reduce_joined
+from .sparse import SparseGradients
+from .static_graph import StaticGraph
+from .stats import CommStats, step_stats
+from .storage import Bucket, BucketStorage
+
+if TYPE_CHECKING:
+    from ..options import EngineOptions
+
+log = logging.getLogger("bucketddp.reducer")
+
+
+class Reducer:
+    """Owns the hooks, the bucket storage and the in-flight collectives of one model."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        *,
+        process_group: dist.ProcessGroup | None,
+        options: EngineOptions,
+        sparse_names: Collection[str] = (),
+        buffer_layout: BufferLayout | None = None,
+    ) -> None:
+        """Reduce those of ``named_params`` (all the model's) that require a gradient.
+
+        ``sparse_names``: embeddings' parameters with ``sparse=True``. ``buffer_layout``:
+        the wrapper's buffer sync, whose layout changes travel in the agreement row.
+        """
+        self.all_named = list(named_params)
+        self.all_names = [n for n, _ in named_params]
+        self.all_params = [p for _, p in named_params]
+        trainable = [j for j, p in enumerate(self.all_params) if p.requires_grad]
+        if not trainable:
+            raise ValueError(errors.NO_TRAINABLE)
+        self.sparse_names = frozenset(sparse_names)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        # A static graph may leave parameters unused, as torch DDP allows.
+        self.find_unused_parameters = options.find_unused_parameters or options.static_graph
+        self.gradient_as_bucket_view = options.gradient_as_bucket_view
+        self.unused_hint = options.unused_hint
+        self.buffer_layout = buffer_layout
+        self.caps = cap_bytes(options.bucket_cap_mb), cap_bytes(options.first_bucket_mb)
+        self.static_graph = options.static_graph
+        self.launcher: Launcher = AllReduceLauncher(process_group)
+        # One rank has nothing to reduce: no storage, and the hooks only check (unless a
+        # communication hook is registered).
+        self.communicates = self.world_size > 1
+        # Gradients are averaged over ``divisor`` ranks, and ``training_ranks`` send some:
+        # the world size, or fewer under ``join()``.
+        self.divisor = self.training_ranks = self.world_size
+        self.sync_enabled = True
+        # torch DDP's contract: the hooks act only in a backward that follows a grad-enabled
+        # forward through the wrapper (``expect_backward``), whose sync decision they keep.
+        self.expecting_backward = False
+        self.sync_step = True
+        self.stats = CommStats()
+        self._queued = False
+        self._from_output = False  # the end-of-backward callback was queued by an output hook
+        # A gradient the ready count does not show arrived (outside the plan, or not a
+        # static graph parameter's last).
+        self.touched_elsewhere = False
+        self.hook_handles: list[RemovableHandle] = []
+        self.frozen_watch: RequiresGradWatch | None = None
+        self.module_changes: ModuleChanges | None = None
+        # The plan and its state, set by layout.py (here, and when the plan changes).
+        self.m: Members
+        self.members: list[int]  # the planned parameters, by index into all of them
+        self.outside: list[int]  # the others: frozen when the plan was made
+        self.names: list[str]
+        self.params: list[nn.Parameter]
+        self.unslotted: frozenset[int]  # planned, but reduced outside the slots (sparse)
+        self.sparse: SparseGradients | None
+        self.static: StaticGraph | None
+        self.ready: list[bool]  # got its gradient in this backward
+        self.n_ready: int
+        self.used: list[bool]  # got a gradient since the last synced backward
+        self.observed: list[int] | None  # the ready order, until the plan is rebuilt
+        self.gradient_hooks: list[Callable[[int, torch.Tensor], None]]
+        self.plan: BucketPlan
+        self.storage: BucketStorage
+        self.buckets: list[Bucket]
+        self.views: list[torch.Tensor]  # each planned parameter's slot
+        self.ptrs: list[int]  # where each slot's memory started
+        self.bucket_of: list[Bucket]
+        self.row: AgreementRow
+        self._next = 0  # the next bucket to launch, in plan order
+        layout.plan_members(self, trainable)
+
+    # ------------------------------------------------------------------ plan and storage
+    def set_scales(self) -> None:
+        """Give each bucket the averaging factors of the next synced backward.
+
+        A launcher that averages itself (a comm hook) gets plain gradients.
+        """
+        self.storage.set_scales(1.0 if self.launcher.averages else float(self.divisor))
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket's gradients with ``hook(state, bucket)`` from the next step on."""
+        use_hook(self, state, hook)
+
+    # ------------------------------------------------------------------- the hot path
+    def autograd_hook(self, i: int, param: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient was accumulated into ``param.grad``."""
+        if self.expecting_backward and self.mark_variable_ready(i):
+            self.stage(i, param)
+
+    def unslotted_hook(self, i: int, param: torch.Tensor) -> None:
+        """A gradient reduced outside the slots (sparse): counted towards the last bucket."""
+        if self.expecting_backward and self.mark_variable_ready(i):
+            self.mark_bucket_ready(self.bucket_of[i])
+
+    def mark_variable_ready(self, i: int) -> bool:
+        """Record that parameter ``i`` got its gradient; returns whether to communicate."""
+        if not self._queued:
+            self.queue_finalize()
+        if self.ready[i]:
+            raise RuntimeError(errors.twice(self.names[i]))
+        self.ready[i] = True
+        self.n_ready += 1
+        self.used[i] = True
+        if self.observed is not None:
+            self.observed.append(i)
+        return self.sync_step and self.communicates
+
+    def stage(self, i: int, param: torch.Tensor) -> None:
+        """Put parameter ``i``'s gradient in its bucket slot, then launch what is due."""
+        grad = param.grad
+        view = self.fill_slot(i, grad)
+        if self.gradient_as_bucket_view and grad is not view:
+            param.grad = view
+        self.mark_bucket_ready(self.bucket_of[i])
+
+    def mark_bucket_ready(self, bucket: Bucket) -> None:
+        """One gradient of ``bucket`` fewer to wait for; launch what is due once it is full."""
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self.launch_ready()
+
+    def fill_slot(self, i: int, grad: torch.Tensor | None) -> torch.Tensor:
+        """Stage gradient ``i`` in its slot, already divided by the world size; returns the slot.
+
+        Averaging before the sum is torch DDP's order, and so is the arithmetic: a copied
+        gradient is multiplied by ``1 / world_size`` on its way in (``out=`` fuses the two),
+        a gradient accumulated in place is divided.
+        """
+        view = self.views[i]
+        if view.data_ptr() != self.ptrs[i]:
+            # A conversion after wrapping (model.to(memory_format=...), .double()) set the
+            # ``.data`` of every gradient, and the view was one: the slot gets a new view.
+            view = self.storage.reslot(i)
+        bucket = self.bucket_of[i]
+        first = not bucket.written
+        bucket.written = True
+        if grad is view:
+            view.div_(bucket.divisor)  # accumulated in place, in the slot
+            return view
+        if sys.getrefcount(view) > SOLE_REFS:
+            # Someone kept this slot's view, the .grad of an earlier step.
+            view = copy_on_write(self.storage, i)
+        if first and kept_elsewhere(self.storage, bucket):
+            # Someone kept another tensor on the bucket's memory from an earlier step.
+            view = move_bucket(self.storage, bucket, self.row, i)
+        if grad is None:
+            view.zero_()
+            return view
+        if grad.layout != torch.strided or grad._base is not None or grad.dtype != view.dtype:
+            errors.check_gradient(self.names[i], grad, view, self.storage)
+        try:
+            torch.mul(grad, bucket.scale, out=view)
+        except RuntimeError:
+            if grad.requires_grad:
+                raise RuntimeError(errors.create_graph(self.names[i])) from None
+            raise
+        return view
+
+    def launch_ready(self) -> None:
+        """Launch every bucket whose turn has come, in plan order."""
+        buckets = self.buckets
+        while self._next < len(buckets) and buckets[self._next].pending == 0:
+            bucket = buckets[self._next]
+            if bucket.row is not None:  # the last bucket: what rides on it goes first
+                self._before_last()
+            bucket.work = self.launcher.launch(self._next, bucket)
+            self._next += 1
+
+    # ------------------------------------------------------------- end of backward
+    def finalize_backward(self) -> None:
+        """Runs once at the end of each backward pass that touched a parameter."""
+        node = torch._C._current_autograd_node()
+        if node is not None and not self._from_output and self.n_ready < len(self.ready):
+            # The end of a backward nested in another (a reentrant checkpoint segment's)
+            # while gradients may still come, queued by a parameter's hook because no output
+            # hook did in the outer one: finish at the end of the enclosing backward.
+            node.register_hook(Once(self._requeue_finalize))
+            return
+        self._queued = False
+        touched = self.n_ready > 0 or self.touched_elsewhere
+        if touched and node is None:
+            self.expecting_backward = False  # until the next forward
+        if not self.sync_step or not touched:
+            self.reset_step()
+            return
+        try:
+            error, joined = self._reduce() if self.communicates else check_local(self)
+        finally:
+            self.reset_step()
+            self.used = [False] * len(self.used)
+        self.end_synced_step(error, joined)
+
+    def _reduce(self) -> tuple[str | None, list[int]]:
+        """Launch what is left, wait for everything, agree; returns (error, joining params)."""
+        if self.static is not None:
+            self.static.before_reduce()
+        missing_here: list[int] = []
+        if self.n_ready < len(self.ready):
+            missing_here = [i for i, ready in enumerate(self.ready) if not ready]
+        for i in missing_here:
+            if i not in self.unslotted:
+                self.fill_slot(i, self.params[i].grad)
+            self.bucket_of[i].pending -= 1
+        self.launch_ready()
+        start = time.perf_counter()
+        if self.sparse is not None:
+            self.sparse.wait()
+        self.launcher.wait_all(self.buckets)
+        self.stats = step_stats(self, time.perf_counter() - start)
+        if self.row.summed_is_planned():
+            # The common step: on every rank every planned parameter got its gradient and
+            # nothing changed (so nothing is missing here either).
+            take_as_planned(self, missing_here)
+            return None, []
+        counts, agreement = self.row.read()
+        error, frozen, joined = check(self, counts, agreement, bool(missing_here))
+        if error is not None:
+            return error, []
+        take_agreed(self, counts.tolist(), frozen, missing_here)
+        return (reduce_joined(self, joined) if joined else None), joined
+
+    def end_synced_step(self, error: str | None, joined: list[int]) -> None:
+        """After a synced backward: raise its error, or take in joining parameters, or rebuild."""
+        if error is not None:
+            raise RuntimeError(error)
+        if joined:
+            layout.plan_joined(self, joined)
+        elif self.observed is not None:
+            adopt_learned_order(self)
+
+    def reset_step(self, *, backward_ended: bool = False) -> None:
+        """Ready for the next backward: nothing ready, nothing launched."""
+        if backward_ended:
+            self._queued = False
+        n = len(self.ready)
+        self.ready = [False] * n
+        self.n_ready = 0
+        self._next = 0
+        self.touched_elsewhere = False
+        if self.static is not None:
+            self.static.reset()
+        if self.sparse is not None:
+            self.sparse.reset()
+        for bucket in self.buckets:
+            bucket.pending = bucket.expected
+            bucket.written = False
+
+    # ------------------------------------------------------- seams for the plug-ins
+    def _before_last(self) -> None:
+        """Launch the sparse all-reduces, then write this rank's agreement row."""
+        if self.sparse is not None:
+            self.sparse.launch(self.used, self.divisor)
+        changes = (
+            (self.frozen_watch is not None and self.frozen_watch.trainable)
+            or (self.module_changes is not None and self.module_changes.reported)
+            or self.buffers_changed()
+        )
+        self.row.write(self, changes=changes)
+
+    def buffers_changed(self) -> bool:
+        """Whether this rank's synced buffers changed layout since the ranks agreed."""
+        return self.buffer_layout is not None and self.buffer_layout.layout_changed
+
+    # ------------------------------------------------------------ the learned order
+    @property
+    def learned_order(self) -> list[str] | None:
+        """The ready order learned from the first backward, or None before it is known."""
+        return list(self.plan.order) if self.plan.learned else None
+
+    def load_order(self, order: Sequence[str]) -> bool:
+        """Adopt a previously learned order; False (and keep learning) if the params differ."""
+        return load_order(self, order)
+
+    # ------------------------------------------------- what the wrapper tells the reducer
+    def before_forward(self) -> None:
+        """Before a forward: notice parameters outside the plan that now require grad."""
+        if self.module_changes is not None:
+            self.module_changes.check_frozen()
+        if self.frozen_watch is not None:
+            self.frozen_watch.before_forward()
+
+    def module_changed(
+        self, added: Sequence[tuple[str, nn.Parameter]], removed: Sequence[str]
+    ) -> None:
+        """The module holds ``added`` parameters it did not hold when wrapped (see
+        ``module_changes.py``)."""
+        if self.module_changes is None:
+            self.module_changes = ModuleChanges(self.outside_gradient)
+        self.module_changes.update(added, removed)
+
+    def outside_gradient(self, param: torch.Tensor) -> None:
+        """A hook for parameters outside the plan: the backward must reach its end."""
+        if not self.expecting_backward:
+            return
+        self.touched_elsewhere = True
+        self.queue_finalize()
+
+    def expect_backward(self, *, decide: bool = False) -> None:
+        """At a grad-enabled forward: the next backward is this reducer's to reduce.
+
+        It syncs unless this forward runs inside ``no_sync()`` (torch DDP decides at the
+        forward too), or, after an auxiliary forward, if any forward since the last backward
+        asked it to. ``decide`` (``prepare_for_backward``) sets the decision outright.
+        """
+        keep = not decide and self.expecting_backward and self.sync_step
+        self.sync_step = self.sync_enabled or keep
+        self.expecting_backward = True
+
+    def on_output_grad(self, grad: torch.Tensor) -> None:
+        """A hook on the forward's outputs: their gradient opens the backward pass.
+
+        It runs in the outermost backward, so the end-of-backward callback waits for the
+        whole pass, not a reentrant checkpoint segment's nested one.
+        """
+        self.expecting_backward = True  # a second backward through these outputs counts
+        if not self._queued:
+            self.queue_finalize()
+            self._from_output = True
+
+    def queue_finalize(self) -> None:
+        """Have the autograd engine call ``finalize_backward`` at the end of this backward."""
+        if self._queued:
+            return
+        if compiled_autograd():
+            raise RuntimeError(COMPILED_AUTOGRAD)
+        self._queued = True
+        self._from_output = False
+        Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    def _requeue_finalize(self) -> None:
+        Variable._execution_engine.queue_callback(self.finalize_backward)
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward pass of this reducer's is under way (its callback is queued)."""
+        return self._queued
+
+    def remove(self) -> None:
+        """Detach the hooks; the parameters keep their current gradients."""
+        layout.unhook(self)
+        for plugin in (self.frozen_watch, self.module_changes):
+            if plugin is not None:
+                plugin.remove()

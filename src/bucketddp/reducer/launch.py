@@ -1,0 +1,160 @@
+"""Launchers: how a full bucket goes on the wire, chosen once per reducer.
+
+The default launcher sums the bucket's storage with one asynchronous all-reduce; the
+gradients were already divided by the world size on their way into the slots. With a
+registered communication hook, the hook launcher hands each bucket's plain gradients to
+the hook and takes back what its future holds. The core calls ``launch`` and ``wait_all``
+and never asks which one it has, as torch DDP's reducer falls back to a default
+all-reduce hook.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import AsyncSum, on_wire
+from ..comm_hooks import CommHook, GradBucket, call_after, hook_result, run_hook
+from . import errors, layout
+from .storage import Bucket, slot_views
+
+if TYPE_CHECKING:
+    from .core import Reducer
+
+
+class AllReduceLauncher:
+    """Sums each bucket's storage, row included, with one asynchronous all-reduce."""
+
+    averages = False
+    """Whether it averages itself (False: the slots hold gradients already averaged)."""
+    extra_collectives = 0
+    """Collectives per step besides one per bucket."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self._sum = AsyncSum(group)
+
+    def launch(self, k: int, bucket: Bucket) -> dist.Work:
+        """Start reducing bucket ``k``; returns what to wait on."""
+        return self._sum(on_wire(bucket.storage))
+
+    def wait_all(self, buckets: Sequence[Bucket]) -> None:
+        """Wait for every bucket; their storages then hold the sums."""
+        for bucket in buckets:
+            bucket.wait()
+
+    def reduce_copies(
+        self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]
+    ) -> None:
+        """Reduce stand-ins for ``buckets`` (a joined rank's zeros), in launch order.
+
+        ``sparse`` gradients go just before the last bucket, as in a step.
+        """
+        works = [self._sum(on_wire(t)) for t in storages[:-1]]
+        group = self._sum.group
+        works += [dist.all_reduce(t, group=group, async_op=True) for t in sparse]
+        works.append(self._sum(on_wire(storages[-1])))
+        for work in works:
+            work.wait()
+
+
+class HookLauncher:
+    """Reduces each bucket's gradients with a registered ``hook(state, bucket)``.
+
+    Bucket 0's hook is called at launch; bucket ``k``'s once bucket ``k - 1``'s future is
+    done, so that collectives a hook launches from its callbacks keep one order on every
+    rank (see ``comm_hooks.py``). The agreement row is all-reduced on its own, after every
+    hook's future is done.
+    """
+
+    averages = True
+    extra_collectives = 1
+
+    def __init__(self, group: dist.ProcessGroup | None, state: Any, hook: CommHook) -> None:
+        self._group = group
+        self._state = state
+        self.hook = hook
+        # The future of the hook called last in this step: the next bucket's waits for it.
+        self._tail: torch.futures.Future[Any] | None = None
+
+    def launch(self, k: int, bucket: Bucket) -> torch.futures.Future[Any]:
+        """Call the hook on bucket ``k`` (when bucket ``k - 1``'s future is done)."""
+        return self._call(k, bucket.grads, bucket.params, bucket.row is not None)
+
+    def _call(
+        self, k: int, grads: torch.Tensor, params: list[torch.Tensor], last: bool
+    ) -> torch.futures.Future[Any]:
+        # Views of its own for the hook's GradBucket: one it keeps must not hold the slots'
+        # views, which would look like a .grad kept by the user.
+        bucket = GradBucket(k, grads, slot_views(grads, params), params, last)  # type: ignore[arg-type]
+        previous = self._tail if k > 0 else None
+        if previous is None or previous.done():
+            future = run_hook(self.hook, self._state, bucket)
+        else:
+            call = functools.partial(run_hook, self.hook, self._state, bucket)
+            future = call_after(previous, call)
+        self._tail = future
+        return future
+
+    def wait_all(self, buckets: Sequence[Bucket]) -> None:
+        """Wait for every hook's future, copy its result in, then all-reduce the row."""
+        for bucket in buckets:
+            reduced = hook_result(bucket.wait(), bucket.grads, self.hook)
+            if reduced.data_ptr() != bucket.grads.data_ptr():
+                bucket.grads.copy_(reduced.view_as(bucket.grads))
+        # A hook may launch collectives from its futures' callbacks (PowerSGD does), on
+        # another thread: launching the row's all-reduce earlier could order it differently
+        # on different ranks.
+        row = buckets[-1].row
+        assert row is not None
+        dist.all_reduce(row, group=self._group)
+
+    def reduce_copies(
+        self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]
+    ) -> None:
+        """Run the hook on stand-ins for ``buckets`` (a joined rank's zeros), then the row.
+
+        ``sparse`` is always empty: a hook is refused for sparse gradients.
+        """
+        grads = [s[: b.grads.numel()] for b, s in zip(buckets, storages, strict=True)]
+        last = len(grads) - 1
+        futures = [
+            self._call(k, g, b.params, k == last)
+            for k, (g, b) in enumerate(zip(grads, buckets, strict=True))
+        ]
+        for future, g in zip(futures, grads, strict=True):
+            # Checked as on the ranks still training, which raise before the row's
+            # all-reduce: this rank must not reach it alone.
+            hook_result(future.wait(), g, self.hook)
+        dist.all_reduce(storages[-1][buckets[-1].grads.numel() :], group=self._group)
+
+
+Launcher = AllReduceLauncher | HookLauncher
+
+
+def use_hook(r: Reducer, state: object, hook: CommHook) -> None:
+    """Have ``r`` reduce each bucket with ``hook(state, bucket)`` from the next step on.
+
+    Raises unless the hook can be registered now: once per reducer, between steps, and
+    for dense gradients only.
+    """
+    if isinstance(r.launcher, HookLauncher):
+        raise RuntimeError(
+            "a communication hook is already registered; register_comm_hook can be called "
+            "once per wrapper (as with torch DDP)"
+        )
+    if not callable(hook):
+        raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+    if r.in_backward:
+        raise RuntimeError("register_comm_hook cannot be called during a backward pass")
+    if r.sparse is not None:
+        raise RuntimeError(errors.hook_with_sparse([r.names[i] for i in r.sparse.indices]))
+    r.launcher = HookLauncher(r.process_group, state, hook)
+    r.set_scales()
+    if not r.communicates:
+        # One rank: buckets exist only to hand the hook its gradients, as torch DDP does.
+        r.communicates = True
+        layout.install(r, r.plan)

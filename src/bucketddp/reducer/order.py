@@ -1,0 +1,66 @@
+"""The learned bucket order: rank 0's gradient-ready order, broadcast after the first sync.
+
+The first plan follows reverse registration order, a guess. The reducer records the order
+in which gradients become ready until the end of the first synced backward; then every
+rank takes rank 0's, so that all ranks launch the same buckets in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..buckets import BucketPlan
+from ..comm import global_rank
+from . import layout
+from .members import Members
+
+if TYPE_CHECKING:
+    from .core import Reducer
+
+
+def learned_plan(
+    members: Members,
+    observed: Sequence[int],
+    caps: tuple[int, int],
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> BucketPlan:
+    """The plan for rank 0's ready order, on every rank; ``observed`` is this rank's order.
+
+    The order spans the no_sync() passes before the first synced backward, so a parameter
+    may appear in it more than once: the planner keeps first occurrences and completes the
+    order with every planned parameter, so that it has the same length on every rank. It
+    travels as parameter indices in one tensor.
+    """
+    plan = members.plan(*caps, [members.names[i] for i in observed])
+    if dist.get_world_size(group) == 1:
+        return plan
+    full = [members.index[n] for n in plan.order]
+    indices = torch.tensor(full, dtype=torch.int64, device=device)
+    dist.broadcast(indices, src=global_rank(group), group=group)
+    return members.plan(*caps, [members.names[i] for i in indices.tolist()])
+
+
+def adopt_learned_order(r: Reducer) -> None:
+    """At the end of the first synced backward: plan by rank 0's ready order from now on."""
+    assert r.observed is not None
+    device = r.buckets[-1].storage.device if r.buckets else torch.device("cpu")
+    plan = learned_plan(r.m, r.observed, r.caps, r.process_group, device)
+    r.observed = None
+    if [b.names for b in plan] == [b.names for b in r.plan]:
+        r.plan = plan  # same buckets: keep the storage, remember the order
+    else:
+        layout.install(r, plan)
+
+
+def load_order(r: Reducer, order: Sequence[str]) -> bool:
+    """Plan ``r`` by a learned ``order`` (from a checkpoint); False if its names differ."""
+    if set(order) != set(r.names) or len(order) != len(r.names):
+        return False
+    layout.install(r, r.m.plan(*r.caps, order))
+    r.observed = None
+    return True
