@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .naming import name_list
+
 
 def global_rank(group: dist.ProcessGroup | None, group_rank: int = 0) -> int:
     """The global rank of the group's ``group_rank``, as ``src`` arguments expect."""
@@ -24,9 +26,9 @@ class AsyncSum:
 
     ``dist.all_reduce`` looks the group up, checks its tensor and builds its options on
     every call. A bucket is launched from inside backward, where that Python runs with cold
-    caches between autograd's kernels: about 40 µs per launch here (2 CPU cores, gloo), for
-    work done once at construction. The collective is the same one: the group's own
-    ``allreduce``, which ``dist.all_reduce`` calls in the end.
+    caches between autograd's kernels, so that work is done once, at construction. The
+    collective is the same one: the group's own ``allreduce``, which ``dist.all_reduce``
+    calls in the end.
 
     Complex tensors are not handled here (``dist.all_reduce`` sends their real view): the
     reducer hands over the real view of a complex bucket itself (see ``on_wire``).
@@ -205,7 +207,7 @@ def gather_if_different(
     caller can name the difference. Every rank decides from the same reduced values, so
     either all of them take part in that second collective or none does. The common case,
     equal objects, pickles nothing: pickling runs code a training step never needs, whose
-    pages count in the process's resident memory (about 0.7 MB for a small transformer).
+    pages count in the process's resident memory.
     """
     text = repr(obj).encode()
     fingerprint = [len(text), zlib.crc32(text), zlib.adler32(text)]
@@ -268,7 +270,7 @@ def _first_difference(ref: list, other: list) -> str | None:
     ignored = [[e[1] for e in sig if e[0] == IGNORED_KIND] for sig in (ref, other)]
     if ignored[0] != ignored[1]:
         return (
-            f"it ignores {ignored[1][:10]} where rank 0 ignores {ignored[0][:10]}; "
+            f"it ignores {name_list(ignored[1])} where rank 0 ignores {name_list(ignored[0])}; "
             "_ddp_params_and_buffers_to_ignore must list the same names on every rank"
         )
     for (kind, name, shape, dtype), theirs in zip(ref, other, strict=False):

@@ -25,6 +25,7 @@ from torch.distributed.algorithms.join import JoinHook
 
 from .buffers import BufferSync
 from .comm import broadcast_coalesced
+from .naming import name_list
 from .reducer import Reducer
 from .reducer.shadow import set_training_ranks, shadow_backward
 
@@ -117,7 +118,7 @@ def check_joinable(module: nn.Module) -> None:
     layers = syncbn_layers(module)
     if layers:
         raise ValueError(
-            f"BucketDataParallel.join: SyncBatchNorm layers {layers[:5]} all-reduce inside "
+            f"BucketDataParallel.join: SyncBatchNorm layers {name_list(layers)} all-reduce inside "
             "the forward pass, which a rank that ran out of inputs cannot match, so uneven "
             "inputs are not supported with them. Give every rank the same number of batches "
             "(DistributedSampler with drop_last=True), or use BatchNorm with a buffer policy."
@@ -156,30 +157,20 @@ def training_step(
         set_training_ranks(reducer, step.ranks, divisor)
 
 
+@dataclass
 class BucketJoinHook(JoinHook):
-    """Shadows an iteration of the ranks still training, on a rank that has joined.
+    """Shadows an iteration of the ranks still training, on a rank that has joined."""
 
-    Args:
-        reducer: the wrapper's reducer.
-        buffers: the wrapper's buffer sync.
-        device: where the join's own collectives run (the module's device).
-        params: the parameters every rank takes from a rank that joined last.
-        on_end: called on every rank once every rank has joined.
-    """
-
-    def __init__(
-        self,
-        reducer: Reducer,
-        buffers: BufferSync,
-        device: torch.device,
-        params: Callable[[], list[nn.Parameter]],
-        on_end: Callable[[], None],
-    ) -> None:
-        self.reducer = reducer
-        self.buffers = buffers
-        self.device = device
-        self.params = params
-        self.on_end = on_end
+    reducer: Reducer
+    """The wrapper's reducer."""
+    buffers: BufferSync
+    """The wrapper's buffer sync."""
+    device: torch.device
+    """Where the join's own collectives run (the module's device)."""
+    params: Callable[[], list[nn.Parameter]]
+    """The parameters every rank takes from a rank that joined last."""
+    on_end: Callable[[], None]
+    """Called on every rank once every rank has joined."""
 
     def main_hook(self) -> None:
         """Match one iteration of the ranks still training: header, buffers, backward."""

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from torch import nn
 
 from .comm import IGNORED_KIND
+from .naming import name_list
 
 
 def check_wrappable(module: object, ours: type) -> None:
@@ -52,14 +53,14 @@ def check_initialized(module: nn.Module) -> None:
     lazy = [n for n, t in tensors if nn.parameter.is_lazy(t)]
     if lazy:
         raise RuntimeError(
-            f"the module's parameters or buffers {lazy[:10]} are not initialized yet (a lazy "
+            f"the module's parameters or buffers {name_list(lazy)} are not initialized yet (a lazy "
             "module such as nn.LazyLinear): run one forward pass on a batch first, so that "
             "they get their shapes, then wrap the module"
         )
     meta = [n for n, t in tensors if t.is_meta]
     if meta:
         raise RuntimeError(
-            f"the module's parameters or buffers {meta[:10]} are on the meta device and hold "
+            f"the module's parameters or buffers {name_list(meta)} are on the meta device and hold "
             "no data: materialize them first (module.to_empty(device=...), then initialize "
             "or load the weights), then wrap the module"
         )
@@ -87,8 +88,8 @@ def ignored_names(module: nn.Module) -> frozenset[str]:
     unknown = sorted(ignored - known)
     if unknown:
         warnings.warn(
-            f"_ddp_params_and_buffers_to_ignore lists {unknown[:10]}, which name no parameter "
-            "or buffer of the module, so they ignore nothing; use the names of "
+            f"_ddp_params_and_buffers_to_ignore lists {name_list(unknown)}, which name no "
+            "parameter or buffer of the module, so they ignore nothing; use the names of "
             "named_parameters() and named_buffers(), e.g. 'layer.0.weight'",
             stacklevel=3,
         )

@@ -97,6 +97,20 @@ class EngineOptions:
         check_policy(self.buffer_policy_default, "default_buffer_policy")
 
     @classmethod
+    def from_arguments(
+        cls, arguments: Mapping[str, Any], options: EngineOptions | None = None, **extra: Any
+    ) -> EngineOptions:
+        """The options among a caller's ``arguments`` (its ``locals()``), or ``options``.
+
+        The wrapper and the strategy take every engine option as a keyword of their own;
+        this picks them out by name, so that neither lists them twice. ``extra`` adds
+        fields that are not keywords of theirs (``unused_hint``).
+        """
+        names = [f.name for f in dataclasses.fields(cls)]
+        given = {name: arguments[name] for name in names if name in arguments}
+        return cls.from_keywords(options, **given, **extra)
+
+    @classmethod
     def from_keywords(cls, options: EngineOptions | None = None, /, **given: Any) -> EngineOptions:
         """The options from a wrapper's keyword arguments, or ``options`` itself.
 

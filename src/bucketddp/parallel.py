@@ -97,19 +97,7 @@ class BucketDataParallel(nn.Module, Joinable):
         options: EngineOptions | None = None,
     ) -> None:
         check_wrappable(module, BucketDataParallel)
-        options = EngineOptions.from_keywords(
-            options,
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_mb=first_bucket_mb,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            broadcast_buffers=broadcast_buffers,
-            buffer_sync=buffer_sync,
-            default_buffer_policy=default_buffer_policy,
-            static_graph=static_graph,
-            init_sync=init_sync,
-            forward_sync_buffers=forward_sync_buffers,
-        )
+        options = EngineOptions.from_arguments(locals(), options)
         super().__init__()
         Joinable.__init__(self)
         self.options = options

@@ -125,21 +125,24 @@ class BucketDDP(DDPStrategy):
     def __init__(
         self,
         *,
+        # The engine options (EngineOptions), ...
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
         bucket_cap_mb: float | None = 25.0,
         first_bucket_mb: float | None = 1.0,
-        find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
-        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         buffer_sync: Mapping[str, Policy] | None = None,
         default_buffer_policy: Policy | None = None,
+        broadcast_buffers: bool | None = None,
+        forward_sync_buffers: bool | None = None,
+        # ... DDPStrategy's for SyncBatchNorm and communication hooks, ...
         sync_batchnorm: bool = False,
         ddp_comm_hook: Callable[..., Any] | None = None,
         ddp_comm_state: object | None = None,
         ddp_comm_wrapper: Callable[..., Any] | None = None,
         model_averaging_period: int | None = None,
-        static_graph: bool = False,
-        init_sync: bool = True,
-        forward_sync_buffers: bool | None = None,
+        # ... and the rest of DDPStrategy's.
         accelerator: Accelerator | None = None,
         parallel_devices: list[Any] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -149,19 +152,7 @@ class BucketDDP(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self._engine_options = EngineOptions.from_keywords(
-            bucket_cap_mb=bucket_cap_mb,
-            first_bucket_mb=first_bucket_mb,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            broadcast_buffers=broadcast_buffers,
-            buffer_sync=buffer_sync,
-            default_buffer_policy=default_buffer_policy,
-            static_graph=static_graph,
-            init_sync=init_sync,
-            forward_sync_buffers=forward_sync_buffers,
-            unused_hint=UNUSED_HINT,
-        )
+        self._engine_options = EngineOptions.from_arguments(locals(), unused_hint=UNUSED_HINT)
         check_switches(sync_batchnorm=sync_batchnorm)
         self._comm_hook = _comm_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
         _check_averaging(ddp_comm_state, model_averaging_period)

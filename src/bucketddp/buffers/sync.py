@@ -26,6 +26,7 @@ from ..comm import (
     broadcast_packed,
     module_device,
 )
+from ..naming import first_names
 from .layout import AgreedLayout, Outcome, agree_policies, error_outcome, synced_view
 from .policies import BufferFn, BufferRules, Policy, group_buffers, policy_label, scan_buffers
 
@@ -395,8 +396,8 @@ class BufferSync:
         if changed or len(policies) != len(old):
             log.info(
                 "bucketddp: the ranks agree on changed buffers; new or resized: %s, gone: %s",
-                changed[:10],
-                [n for n in old if n not in policies][:10],
+                first_names(changed),
+                first_names([n for n in old if n not in policies]),
             )
 
     def _stand_ins(

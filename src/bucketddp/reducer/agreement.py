@@ -32,15 +32,12 @@ added up in float64 after the all-reduce.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from . import errors
 from .module_changes import changed_message
-
-if TYPE_CHECKING:
-    from .core import Reducer
+from .state import ReducerState
 
 
 def row_count(dtype: torch.dtype, world_size: int) -> int:
@@ -54,7 +51,7 @@ class AgreementRow:
     """This rank's row on the last bucket, what it holds as planned, and how to read sums."""
 
     def __init__(
-        self, area: torch.Tensor, *, planned: int, members: Sequence[int], reducer: Reducer
+        self, area: torch.Tensor, *, planned: int, members: Sequence[int], reducer: ReducerState
     ) -> None:
         """``area`` is the last bucket's row area; ``members`` the planned model parameters."""
         self.planned = planned
@@ -99,7 +96,7 @@ class AgreementRow:
         table = area.view(len(self.table), -1)
         return table, table[self.rank % len(table)][self.planned :]
 
-    def write(self, r: Reducer, *, changes: bool) -> None:
+    def write(self, r: ReducerState, *, changes: bool) -> None:
         """Write this rank's row for the step ``r`` just finished locally.
 
         ``changes``: a parameter outside the plan requires a gradient, the module changed,
@@ -143,7 +140,7 @@ class AgreementRow:
         return total[: self.planned], total[self.planned :]
 
 
-def write_agreement(agreement: torch.Tensor, r: Reducer) -> None:
+def write_agreement(agreement: torch.Tensor, r: ReducerState) -> None:
     """This rank's agreement part: requires_grad per model parameter, then the two changes."""
     local = [p.requires_grad for p in r.all_params]
     changes = [r.module_changes is not None and r.module_changes.reported, r.buffers_changed()]
@@ -151,7 +148,7 @@ def write_agreement(agreement: torch.Tensor, r: Reducer) -> None:
 
 
 def check(
-    r: Reducer, counts: torch.Tensor, agreement: torch.Tensor, missing_here: bool
+    r: ReducerState, counts: torch.Tensor, agreement: torch.Tensor, missing_here: bool
 ) -> tuple[str | None, list[bool] | None, list[int]]:
     """Read the summed row; returns (error, frozen, joining parameters).
 
@@ -185,7 +182,7 @@ def check(
     return None, frozen, joined
 
 
-def check_local(r: Reducer) -> tuple[str | None, list[int]]:
+def check_local(r: ReducerState) -> tuple[str | None, list[int]]:
     """World size 1, no row: the same contract; returns (error, joining parameters)."""
     if r.module_changes is not None and r.module_changes.reported:
         return changed_message(r.module_changes, 1, r.world_size), []
@@ -200,20 +197,8 @@ def check_local(r: Reducer) -> tuple[str | None, list[int]]:
     return (errors.missing(missing, r.unused_hint) if missing else None), joined
 
 
-def differ_message(r: Reducer, differ: list[int], ranks: list[int]) -> str:
+def differ_message(r: ReducerState, differ: list[int], ranks: list[int]) -> str:
     """The error for parameters frozen on some ranks and not on others."""
-    shown = [f"{r.all_names[j]} ({ranks[j]} of {r.world_size})" for j in differ[:10]]
-    return errors.requires_grad_differs(shown, len(differ) > 10)
-
-
-class BufferLayout(Protocol):
-    """What the row needs of the buffer sync: whether this rank's buffers changed layout."""
-
-    @property
-    def layout_changed(self) -> bool:
-        """Whether this rank's buffers may differ from those the ranks last agreed on."""
-        ...
-
-    def agree_layout(self) -> str | None:
-        """On every rank at once: agree on the buffers anew, or return the error to raise."""
-        ...
+    return errors.requires_grad_differs(
+        [f"{r.all_names[j]} ({ranks[j]} of {r.world_size})" for j in differ]
+    )

@@ -9,13 +9,10 @@ keeps its ``.grad`` untouched.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .core import Reducer
+from .state import ReducerState
 
 
-def take_as_planned(r: Reducer, missing_here: list[int]) -> None:
+def take_as_planned(r: ReducerState, missing_here: list[int]) -> None:
     """Every planned parameter got a gradient on every rank: every one takes its average."""
     if r.find_unused_parameters:
         _take_used(r, [True] * len(r.params), missing_here)
@@ -24,7 +21,7 @@ def take_as_planned(r: Reducer, missing_here: list[int]) -> None:
 
 
 def take_agreed(
-    r: Reducer, counts: list[float], frozen: list[bool] | None, missing_here: list[int]
+    r: ReducerState, counts: list[float], frozen: list[bool] | None, missing_here: list[int]
 ) -> None:
     """Take the averages by the summed row: ``counts`` per planned parameter, ``frozen``."""
     if r.find_unused_parameters:
@@ -45,7 +42,7 @@ def take_agreed(
         _take_views(r, [i for i in missing_here if take[i]])
 
 
-def _take_used(r: Reducer, used_anywhere: list[bool], missing_here: list[int]) -> None:
+def _take_used(r: ReducerState, used_anywhere: list[bool], missing_here: list[int]) -> None:
     """A parameter used on some rank takes the average, here too; one unused nowhere does."""
     if r.gradient_as_bucket_view:
         _take_views(r, [i for i in missing_here if used_anywhere[i]])
@@ -55,14 +52,14 @@ def _take_used(r: Reducer, used_anywhere: list[bool], missing_here: list[int]) -
         r.sparse.take_used(used_anywhere)
 
 
-def _take_views(r: Reducer, indices: list[int]) -> None:
+def _take_views(r: ReducerState, indices: list[int]) -> None:
     """Point the ``.grad`` of the slotted parameters at ``indices`` at their slots."""
     for i in indices:
         if i not in r.unslotted and r.params[i].grad is not r.views[i]:
             r.params[i].grad = r.views[i]
 
 
-def _copy_back(r: Reducer, take: list[bool] | None = None) -> None:
+def _copy_back(r: ReducerState, take: list[bool] | None = None) -> None:
     """Write the averages into the ``.grad`` tensors (of the parameters ``take`` selects)."""
     for i, p in enumerate(r.params):
         if (take is not None and not take[i]) or i in r.unslotted:

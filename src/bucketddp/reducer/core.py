@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,22 +27,20 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
-from ..buckets import BucketPlan, cap_bytes
+from ..buckets import cap_bytes
 from ..comm_hooks import CommHook
 from . import errors, layout
-from .agreement import AgreementRow, BufferLayout, check, check_local
+from .agreement import check, check_local
 from .autograd import COMPILED_AUTOGRAD, Once, compiled_autograd
 from .copy_back import take_agreed, take_as_planned
 from .kept_grads import SOLE_REFS, copy_on_write, kept_elsewhere, move_bucket
 from .launch import AllReduceLauncher, Launcher, use_hook
-from .members import Members
 from .module_changes import ModuleChanges
 from .order import adopt_learned_order, load_order
 from .requires_grad import RequiresGradWatch, reduce_joined
-from .sparse import SparseGradients
-from .static_graph import StaticGraph
-from .stats import CommStats, step_stats
-from .storage import Bucket, BucketStorage
+from .state import BufferLayout, ReducerState
+from .stats import CommStats
+from .storage import Bucket
 
 if TYPE_CHECKING:
     from ..options import EngineOptions
@@ -50,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("bucketddp.reducer")
 
 
-class Reducer:
+class Reducer(ReducerState):
     """Owns the hooks, the bucket storage and the in-flight collectives of one model."""
 
     def __init__(
@@ -105,27 +103,6 @@ class Reducer:
         self.hook_handles: list[RemovableHandle] = []
         self.frozen_watch: RequiresGradWatch | None = None
         self.module_changes: ModuleChanges | None = None
-        # The plan and its state, set by layout.py (here, and when the plan changes).
-        self.m: Members
-        self.members: list[int]  # the planned parameters, by index into all of them
-        self.outside: list[int]  # the others: frozen when the plan was made
-        self.names: list[str]
-        self.params: list[nn.Parameter]
-        self.unslotted: frozenset[int]  # planned, but reduced outside the slots (sparse)
-        self.sparse: SparseGradients | None
-        self.static: StaticGraph | None
-        self.ready: list[bool]  # got its gradient in this backward
-        self.n_ready: int
-        self.used: list[bool]  # got a gradient since the last synced backward
-        self.observed: list[int] | None  # the ready order, until the plan is rebuilt
-        self.gradient_hooks: list[Callable[[int, torch.Tensor], None]]
-        self.plan: BucketPlan
-        self.storage: BucketStorage
-        self.buckets: list[Bucket]
-        self.views: list[torch.Tensor]  # each planned parameter's slot
-        self.ptrs: list[int]  # where each slot's memory started
-        self.bucket_of: list[Bucket]
-        self.row: AgreementRow
         self._next = 0  # the next bucket to launch, in plan order
         layout.plan_members(self, trainable)
 
@@ -266,7 +243,13 @@ class Reducer:
         if self.sparse is not None:
             self.sparse.wait()
         self.launcher.wait_all(self.buckets)
-        self.stats = step_stats(self, time.perf_counter() - start)
+        sparse = self.sparse
+        self.stats = CommStats(
+            collectives=len(self.buckets) + len(self.unslotted) + self.launcher.extra_collectives,
+            bytes_reduced=self.storage.nbytes + (sparse.nbytes() if sparse is not None else 0),
+            wait_seconds=time.perf_counter() - start,
+            buckets=len(self.buckets),
+        )
         if self.row.summed_is_planned():
             # The common step: on every rank every planned parameter got its gradient and
             # nothing changed (so nothing is missing here either).

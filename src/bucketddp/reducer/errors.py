@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..naming import first_names, name_list
+
 if TYPE_CHECKING:
     from .storage import BucketStorage
 
@@ -15,11 +17,6 @@ NO_TRAINABLE = (
     "the parameters to train (requires_grad_(True)) before wrapping; a model that only runs "
     "inference needs no wrapper."
 )
-
-
-def first_names(names: list[str], limit: int = 10) -> str:
-    """Up to ``limit`` names, comma-separated, with the count when there are more."""
-    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def twice(name: str) -> str:
@@ -76,19 +73,18 @@ def retyped(name: str, got: object, planned: object) -> str:
 
 def missing(names: list[str], hint: str) -> str:
     """Parameters that got no gradient on some rank."""
-    shown = names[:10] + (["..."] if len(names) > 10 else [])
     return (
-        f"BucketDataParallel: parameters {shown} received no gradient in this backward "
+        f"BucketDataParallel: parameters {name_list(names)} received no gradient in this backward "
         f"pass on at least one rank, so their gradients cannot be reduced. "
         f"{hint}, or make every parameter contribute to the loss on every rank."
     )
 
 
-def requires_grad_differs(shown: list[str], more: bool) -> str:
+def requires_grad_differs(shown: list[str]) -> str:
     """Parameters frozen on some ranks and not on others (``shown`` with their counts)."""
     return (
         "BucketDataParallel: requires_grad differs between ranks for parameters "
-        f"{', '.join(shown)}{', ...' if more else ''} (figures: ranks on which it requires a "
+        f"{first_names(shown)} (figures: ranks on which it requires a "
         "gradient). Freeze and unfreeze parameters alike on every rank, before the same "
         "forward."
     )

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from .agreement import AgreementRow
+from .state import Row
 from .storage import Bucket, BucketStorage, tensors_on
 
 
@@ -42,7 +42,7 @@ def kept_elsewhere(storage: BucketStorage, bucket: Bucket) -> bool:
     return tensors_on(bucket.storage) > bucket.own_tensors
 
 
-def move_bucket(storage: BucketStorage, bucket: Bucket, row: AgreementRow, i: int) -> torch.Tensor:
+def move_bucket(storage: BucketStorage, bucket: Bucket, row: Row, i: int) -> torch.Tensor:
     """Give ``bucket`` new storage, as it is; returns parameter ``i``'s new slot.
 
     For other tensors on a kept ``.grad``'s memory (``p.grad.view(-1)``, ``p.grad.detach()``,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,10 +20,8 @@ import torch.distributed as dist
 from ..comm import AsyncSum, on_wire
 from ..comm_hooks import CommHook, GradBucket, call_after, hook_result, run_hook
 from . import errors, layout
+from .state import ReducerState
 from .storage import Bucket, slot_views
-
-if TYPE_CHECKING:
-    from .core import Reducer
 
 
 class AllReduceLauncher:
@@ -135,7 +133,7 @@ class HookLauncher:
 Launcher = AllReduceLauncher | HookLauncher
 
 
-def use_hook(r: Reducer, state: object, hook: CommHook) -> None:
+def use_hook(r: ReducerState, state: object, hook: CommHook) -> None:
     """Have ``r`` reduce each bucket with ``hook(state, bucket)`` from the next step on.
 
     Raises unless the hook can be registered now: once per reducer, between steps, and

@@ -9,26 +9,24 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..buckets import BucketPlan
+from ..naming import first_names
 from .agreement import AgreementRow
 from .autograd import ready_hook
 from .members import Members
 from .requires_grad import RequiresGradWatch
 from .sparse import SparseGradients
+from .state import ReducerState
 from .static_graph import StaticGraph
 from .storage import BucketStorage
-
-if TYPE_CHECKING:
-    from .core import Reducer
 
 log = logging.getLogger("bucketddp.reducer")
 
 
-def plan_members(r: Reducer, indices: list[int]) -> None:
+def plan_members(r: ReducerState, indices: list[int]) -> None:
     """Have ``r`` reduce the parameters at ``indices`` (into all parameters) from now on.
 
     Plans them in reverse registration order, to be rebuilt from the next backward's ready
@@ -41,8 +39,9 @@ def plan_members(r: Reducer, indices: list[int]) -> None:
         r.frozen_watch = RequiresGradWatch(r)
     if r.frozen_watch is not None:
         r.frozen_watch.forget(indices)
-    r.unslotted = frozenset(m.unslotted)
-    r.sparse = SparseGradients(m.unslotted, m.params, r.process_group) if m.unslotted else None
+    r.unslotted = m.unslotted
+    sparse = sorted(m.unslotted)
+    r.sparse = SparseGradients(sparse, m.params, r.process_group) if sparse else None
     n = len(m.params)
     r.ready = [False] * n  # got its gradient in the current backward
     r.n_ready = 0
@@ -61,7 +60,7 @@ def plan_members(r: Reducer, indices: list[int]) -> None:
     ]
 
 
-def install(r: Reducer, plan: BucketPlan) -> None:
+def install(r: ReducerState, plan: BucketPlan) -> None:
     """Allocate bucket storage for ``plan`` and move any existing gradients into it."""
     r.plan = plan
     n = len(r.params)
@@ -71,7 +70,7 @@ def install(r: Reducer, plan: BucketPlan) -> None:
         r.params,
         r.m.index,
         row_numel=AgreementRow.numel(dtype, n, len(r.all_params), r.world_size),
-        unslotted=r.m.unslotted if r.communicates else [],
+        unslotted=sorted(r.unslotted) if r.communicates else [],
         owner=r,
     )
     r.buckets, r.views, r.ptrs, r.bucket_of = (
@@ -91,18 +90,18 @@ def install(r: Reducer, plan: BucketPlan) -> None:
         log.debug("bucketddp plan: %s", plan.describe())
 
 
-def unhook(r: Reducer) -> None:
+def unhook(r: ReducerState) -> None:
     """Detach the planned parameters' hooks."""
     for h in r.hook_handles:
         h.remove()
     r.hook_handles = []
 
 
-def plan_joined(r: Reducer, joined: list[int]) -> None:
+def plan_joined(r: ReducerState, joined: list[int]) -> None:
     """Plan the ``joined`` parameters (trainable on every rank now) with the others."""
     plan_members(r, sorted(r.members + joined))
     log.info(
         "bucketddp: %d parameter(s) now require a gradient on every rank and join the buckets: %s",
         len(joined),
-        [r.all_names[j] for j in joined][:10],
+        first_names([r.all_names[j] for j in joined]),
     )

@@ -30,19 +30,18 @@ class Members:
         self.params = [all_named[j][1] for j in indices]
         self.index = {n: i for i, n in enumerate(self.names)}
         self.sparse_names = sparse_names
-        self.unslotted = [i for i, n in enumerate(self.names) if n in sparse_names]
+        self.unslotted = frozenset(i for i, n in enumerate(self.names) if n in sparse_names)
 
     def plan(
         self, cap_bytes: int, first_cap_bytes: int, order: Sequence[str] | None = None
     ) -> BucketPlan:
         """Plan the buckets of the slotted members, in ``order`` if given."""
-        sparse = set(self.unslotted)
         infos = [
             ParamInfo(n, p.numel(), p.dtype, p.device)
             for i, (n, p) in enumerate(zip(self.names, self.params, strict=True))
-            if i not in sparse
+            if i not in self.unslotted
         ]
-        if order is not None and sparse:
+        if order is not None and self.unslotted:
             order = [n for n in order if n not in self.sparse_names]
         return plan_buckets(
             infos, cap_bytes=cap_bytes, first_cap_bytes=first_cap_bytes, order=order

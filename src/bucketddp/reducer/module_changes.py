@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..naming import first_names
 from . import errors
 
 
@@ -80,7 +81,7 @@ def changed_message(changes: ModuleChanges | None, ranks: int, world_size: int) 
     added, removed = changes.changed
     replaced = [n for n in added if n in removed]
     parts = [
-        f"{label} {errors.first_names(names)}"
+        f"{label} {first_names(names)}"
         for label, names in (
             ("replaced", replaced),
             ("added", [n for n in added if n not in replaced]),

@@ -8,7 +8,6 @@ rank takes rank 0's, so that all ranks launch the same buckets in the same order
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,9 +16,7 @@ from ..buckets import BucketPlan
 from ..comm import global_rank
 from . import layout
 from .members import Members
-
-if TYPE_CHECKING:
-    from .core import Reducer
+from .state import ReducerState
 
 
 def learned_plan(
@@ -45,7 +42,7 @@ def learned_plan(
     return members.plan(*caps, [members.names[i] for i in indices.tolist()])
 
 
-def adopt_learned_order(r: Reducer) -> None:
+def adopt_learned_order(r: ReducerState) -> None:
     """At the end of the first synced backward: plan by rank 0's ready order from now on."""
     assert r.observed is not None
     device = r.buckets[-1].storage.device if r.buckets else torch.device("cpu")
@@ -57,7 +54,7 @@ def adopt_learned_order(r: Reducer) -> None:
         layout.install(r, plan)
 
 
-def load_order(r: Reducer, order: Sequence[str]) -> bool:
+def load_order(r: ReducerState, order: Sequence[str]) -> bool:
     """Plan ``r`` by a learned ``order`` (from a checkpoint); False if its names differ."""
     if set(order) != set(r.names) or len(order) != len(r.names):
         return False

@@ -8,17 +8,15 @@ after waiting for what it launched.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .core import Reducer
+from .state import ReducerState
 
 log = logging.getLogger("bucketddp.reducer")
 
 
-def step_unfinished(r: Reducer) -> bool:
+def step_unfinished(r: ReducerState) -> bool:
     """Whether a backward pass of ``r`` started but never reached its end.
 
     Not while that backward is still running: a forward inside it (the recomputation of
@@ -27,7 +25,7 @@ def step_unfinished(r: Reducer) -> bool:
     return r.in_backward and torch._C._current_graph_task_id() == -1
 
 
-def discard_step(r: Reducer) -> None:
+def discard_step(r: ReducerState) -> None:
     """Forget the unfinished backward pass of ``r``, so the next one starts clean.
 
     Collectives it already launched are waited for first, so that they cannot write into

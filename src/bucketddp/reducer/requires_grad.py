@@ -9,22 +9,18 @@ its gradient for this step, which has no slot yet, is averaged in one extra all-
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..comm import all_reduce_coalesced
 from . import errors
-
-if TYPE_CHECKING:
-    from .core import Reducer
+from .state import ReducerState
 
 
 class RequiresGradWatch:
     """Hooks the parameters outside the plan that a rank made trainable."""
 
-    def __init__(self, reducer: Reducer) -> None:
+    def __init__(self, reducer: ReducerState) -> None:
         self._r = reducer
         self._handles: dict[int, RemovableHandle] = {}
         self.trainable = False
@@ -60,7 +56,7 @@ class RequiresGradWatch:
         self._handles = {}
 
 
-def reduce_joined(r: Reducer, joined: list[int], contribute: bool = True) -> str | None:
+def reduce_joined(r: ReducerState, joined: list[int], contribute: bool = True) -> str | None:
     """Average the gradients of parameters that just became trainable on every rank.
 
     They have no bucket slot yet, so they travel in one extra all-reduce per dtype, each

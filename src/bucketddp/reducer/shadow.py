@@ -8,18 +8,14 @@ so that every rank issues the same collectives and reads the same sums.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .agreement import check, write_agreement
 from .requires_grad import reduce_joined
-
-if TYPE_CHECKING:
-    from .core import Reducer
+from .state import ReducerState
 
 
-def set_training_ranks(r: Reducer, ranks: int, divisor: int) -> None:
+def set_training_ranks(r: ReducerState, ranks: int, divisor: int) -> None:
     """``ranks`` send gradients in ``r``'s next synced backward, averaged over ``divisor``."""
     r.training_ranks = ranks
     if divisor != r.divisor:
@@ -27,7 +23,7 @@ def set_training_ranks(r: Reducer, ranks: int, divisor: int) -> None:
         r.set_scales()
 
 
-def shadow_backward(r: Reducer) -> None:
+def shadow_backward(r: ReducerState) -> None:
     """On a rank that has joined, match one synced backward of the ranks still training.
 
     It sends zeros through every bucket's collective (through the communication hook if

@@ -9,18 +9,15 @@ launch during backward again. Parameters that get no gradient are allowed, as wi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .core import Reducer
+from .state import ReducerState
 
 
 class StaticGraph:
     """Counts each parameter's gradients per backward; hands the last one to the core."""
 
-    def __init__(self, reducer: Reducer) -> None:
+    def __init__(self, reducer: ReducerState) -> None:
         self._r = reducer
         self.fires = [0] * len(reducer.params)
         # How many gradients per parameter the first synced backward counted.
