@@ -3,7 +3,7 @@
 The models compile with the ``aot_eager`` backend: Dynamo captures the graph and
 AOTAutograd splits forward from backward exactly as for the default inductor backend, so
 the gradient hooks meet the same autograd graph, but no C++ compiler runs. (The inductor
-backend was checked by hand; see docs/engine.md.)
+backend was checked by hand; see docs/compile.md.)
 """
 
 from __future__ import annotations

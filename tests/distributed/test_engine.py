@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 import subprocess
 import sys
@@ -783,6 +784,18 @@ def _kept_gradients(rank: int, world: int) -> dict[str, Any]:
             model.zero_grad(set_to_none=True)
         ddp(torch.randn(3, 4)).sum().backward()
         out[f"{name} in backward"] = taken[-1].data_ptr() == last.grad.data_ptr()
+    # A bucket moved once for a tensor kept on its memory stays put once nothing is kept.
+    model = torch.nn.Linear(4, 2)
+    ddp = BucketDataParallel(model)
+    kept: torch.Tensor | None = None
+    storage_ptrs = []
+    for step in range(4):
+        ddp(torch.randn(3, 4)).sum().backward()
+        kept = model.weight.grad.detach() if step == 0 else None
+        model.zero_grad(set_to_none=True)
+        storage_ptrs.append(ddp.reducer.buckets[-1].storage.data_ptr())
+    out["moves"] = [a != b for a, b in itertools.pairwise(storage_ptrs)]
+    del kept
     return out
 
 
@@ -793,6 +806,7 @@ def test_gradients_kept_past_the_next_backward_stay_intact_as_with_torch_ddp() -
         assert r["torch"][0] == r["copies"][0] == r["views"][0] == [True] * 3
         assert r["views, detached"][0] == [True] * 3
         assert r["torch in backward"] and r["views in backward"]
+        assert r["moves"] == [True, False, False]
         for name in ("copies", "views", "views, detached"):
             for ours, theirs in zip(r[name][1], r["torch"][1], strict=True):
                 torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)

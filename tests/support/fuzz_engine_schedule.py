@@ -395,7 +395,7 @@ def draw_buffers(
     rng = random.Random(f"{seed}/buffers")
     stats = rng.random() < 0.5
     reassign = stats and rng.random() < 0.3
-    # SyncBatchNorm is refused under join() (docs/engine.md, "Uneven inputs"). Beside the
+    # SyncBatchNorm is refused under join() (docs/uneven-inputs.md). Beside the
     # rank-dependent branch it found a defect, fixed since (seeds 61, 302 and 538).
     syncbn = rng.random() < 0.5 and bn and not join
     forward_sync = None
@@ -437,7 +437,7 @@ def draw_buffers(
 
 
 def make_schedule(seed: int, world_sizes: Sequence[int] = WORLD_SIZES) -> Schedule:
-    """The schedule of ``seed``: only combinations docs/engine.md documents as supported."""
+    """The schedule of ``seed``: only combinations the docs (docs/engine.md) support."""
     rng = random.Random(seed)
     world = rng.choice(list(world_sizes))
     width = rng.choice([4, 6, 8, 12])
@@ -457,7 +457,7 @@ def make_schedule(seed: int, world_sizes: Sequence[int] = WORLD_SIZES) -> Schedu
         batches[rng.randrange(world)] = n_steps
     else:
         batches = [n_steps] * world
-    # A switch of requires_grad needs every rank training (docs/engine.md, join rules).
+    # A switch of requires_grad needs every rank training (docs/uneven-inputs.md).
     switchable = range(1, min(batches))
 
     # The head always trains, so every backward reaches a parameter on every rank.
@@ -530,7 +530,7 @@ def draw_checkpoint(seed: int, depth: int, static: bool) -> dict[str, Any]:
 
     Returns the ``Schedule`` fields ``opaque``, ``repeat``, ``ckpt``, ``whole`` and
     ``head_ckpt``. A parameter gets several gradients in one backward only in several
-    reentrant segments, which needs ``static_graph`` (docs/engine.md, "Static graphs").
+    reentrant segments, which needs ``static_graph`` (docs/static-graph.md).
     """
     rng = random.Random(f"{seed}/checkpoint")
     opaque = rng.random() < 0.3

@@ -52,6 +52,8 @@ def move_bucket(storage: BucketStorage, bucket: Bucket, row: Row, i: int) -> tor
     storage.move_bucket(bucket)
     if bucket.row is not None:
         row.bind(bucket.row)
+    # Counted once the row's views are on the new storage too: they are the reducer's own.
+    bucket.own_tensors = tensors_on(bucket.storage)
     return storage.views[i]
 
 

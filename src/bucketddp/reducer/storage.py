@@ -195,8 +195,6 @@ class BucketStorage:
                 param.grad = view
             self.views[j] = view
             self.ptrs[j] = view.data_ptr()
-        del slots
-        bucket.own_tensors = tensors_on(storage)
 
     def staged_by_other(self, base: torch.Tensor) -> bool:
         """Whether ``base`` is the storage of another reducer in the middle of a backward."""
