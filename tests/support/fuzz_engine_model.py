@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fuzz_engine_schedule import FLAG_AT, IN, OUT, TOKENS, VOCAB, Schedule
+from fuzz_engine_buffers import FLAG_AT
+from fuzz_engine_schedule import IN, OUT, TOKENS, VOCAB, Schedule
 
 LR, MOMENTUM = 0.05, 0.9
 """SGD's, on the ranks and in the reference."""
