@@ -223,8 +223,7 @@ class Reducer(ReducerState):
         try:
             error, joined = self._reduce() if self.communicates else check_local(self)
         finally:
-            self.reset_step()
-            self.used = [False] * len(self.used)
+            self.reset_step(synced=True)
         self.end_synced_step(error, joined)
 
     def _reduce(self) -> tuple[str | None, list[int]]:
@@ -271,10 +270,15 @@ class Reducer(ReducerState):
         elif self.observed is not None:
             adopt_learned_order(self)
 
-    def reset_step(self, *, backward_ended: bool = False) -> None:
-        """Ready for the next backward: nothing ready, nothing launched."""
-        if backward_ended:
-            self._queued = False
+    def reset_step(self, *, synced: bool = False) -> None:
+        """Ready for the next backward: nothing ready, nothing launched, nothing queued.
+
+        ``synced``: the gradients since the last synced backward were reduced (or
+        discarded), so none counts as used any more either.
+        """
+        self._queued = False
+        if synced:
+            self.used = [False] * len(self.used)
         n = len(self.ready)
         self.ready = [False] * n
         self.n_ready = 0

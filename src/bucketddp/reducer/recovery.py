@@ -41,5 +41,4 @@ def discard_step(r: ReducerState) -> None:
         r.sparse.wait()
     for bucket in r.buckets:
         bucket.wait()
-    r.reset_step(backward_ended=True)
-    r.used = [False] * len(r.used)
+    r.reset_step(synced=True)

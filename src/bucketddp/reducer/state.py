@@ -245,8 +245,8 @@ class ReducerState(ABC):
         ...
 
     @abstractmethod
-    def reset_step(self, *, backward_ended: bool = False) -> None:
-        """Ready for the next backward."""
+    def reset_step(self, *, synced: bool = False) -> None:
+        """Ready for the next backward (after a synced one: nothing used either)."""
         ...
 
     @abstractmethod
