@@ -19,6 +19,7 @@ from .buffers.policies import Policy, check_policy, check_rules
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's, also what its bucket_cap_mb=None means
 DEFAULT_FIRST_BUCKET_MB = 1.0  # torch DDP's first bucket with its default cap
+DEFAULT_STALL_TIMEOUT = 600.0  # seconds; under the process-group timeouts (30 min by default)
 _OPTIONAL_SWITCHES = frozenset({"broadcast_buffers", "forward_sync_buffers"})
 
 
@@ -55,6 +56,12 @@ class EngineOptions:
             match.
         forward_sync_buffers: torch DDP 2.13's successor of ``broadcast_buffers``: False
             stops syncing buffers before each forward, but they still start from rank 0.
+        watchdog: run the per-process watchdog (``docs/reliability.md``): an exception or
+            a death on one rank ends every rank within seconds, naming that rank.
+        stall_timeout: seconds a rank may wait in a collective of the engine's (or the
+            strategy's) without progress before every rank stops with a report naming the
+            stalled rank, its phase and every rank's Python stacks. None: no stall check
+            (failures are still named). Keep it below the process group's timeout.
         unused_hint: how the error about parameters without a gradient tells the user to
             allow them; the strategy names its own option there.
 
@@ -77,6 +84,8 @@ class EngineOptions:
     static_graph: bool = False
     init_sync: bool = True
     forward_sync_buffers: bool | None = None
+    watchdog: bool = True
+    stall_timeout: float | None = DEFAULT_STALL_TIMEOUT
     unused_hint: str = "Pass find_unused_parameters=True"
 
     def __post_init__(self) -> None:
@@ -87,7 +96,9 @@ class EngineOptions:
             static_graph=self.static_graph,
             init_sync=self.init_sync,
             forward_sync_buffers=self.forward_sync_buffers,
+            watchdog=self.watchdog,
         )
+        check_stall_timeout(self.stall_timeout)
         cap, first = check_bucket_sizes(self.bucket_cap_mb, self.first_bucket_mb)
         object.__setattr__(self, "bucket_cap_mb", cap)
         object.__setattr__(self, "first_bucket_mb", first)
@@ -194,6 +205,22 @@ def check_switches(**switches: object) -> None:
             continue
         allowed = "True, False or None" if name in _OPTIONAL_SWITCHES else "True or False"
         raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
+
+
+def check_stall_timeout(value: object) -> None:
+    """Raise unless ``value`` is None or a positive, finite number of seconds."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"stall_timeout must be a number of seconds or None (no stall check), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if not 0 < float(value) < math.inf:
+        raise ValueError(
+            f"stall_timeout must be a positive, finite number of seconds, got {value}; pass "
+            "None to switch the stall check off"
+        )
 
 
 def check_bucket_sizes(

@@ -18,6 +18,8 @@ from .buckets import BucketPlan
 from .buffers import BufferSync, Policy
 from .comm import broadcast_coalesced, module_device, verify_same_model
 from .comm_hooks import CommHook
+from .faults import PROGRESS, watch
+from .faults.progress import BUFFER_SYNC, FORWARD, USER_CODE
 from .forward_io import hook_outputs, to_device
 from .join import BucketJoinHook, check_joinable, training_step
 from .module_checks import (
@@ -28,7 +30,7 @@ from .module_checks import (
     parameter_changes,
     sparse_parameters,
 )
-from .options import EngineOptions
+from .options import DEFAULT_STALL_TIMEOUT, EngineOptions
 from .placement import input_device, reduce_group
 from .reducer import NO_TRAINABLE, CommStats, Reducer
 from .reducer.recovery import discard_step, step_unfinished
@@ -93,6 +95,8 @@ class BucketDataParallel(nn.Module, Joinable):
         static_graph: bool = False,
         init_sync: bool = True,
         forward_sync_buffers: bool | None = None,
+        watchdog: bool = True,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
         device_mesh: Any = None,
         options: EngineOptions | None = None,
     ) -> None:
@@ -152,6 +156,8 @@ class BucketDataParallel(nn.Module, Joinable):
             )
         self.buffers_sync.reset_baseline()
         self.reducer = self._new_reducer()
+        if options.watchdog:
+            watch(self, options.stall_timeout)
         if options.find_unused_parameters and dist.get_world_size(process_group) > 1:
             # The ranks may run different layers in a step, so a bucket's all-reduce starts
             # at a different point of each rank's backward and could cross a SyncBatchNorm
@@ -177,11 +183,17 @@ class BucketDataParallel(nn.Module, Joinable):
         if self._input_device is not None:
             args, kwargs = to_device((args, kwargs), self._input_device)
         out = self.module(*args, **kwargs)
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            hook_outputs(out, self.reducer.on_output_grad)
+        if not torch.compiler.is_compiling():
+            PROGRESS.mark(USER_CODE)
+            if torch.is_grad_enabled():
+                hook_outputs(out, self.reducer.on_output_grad)
         return out
 
     def _before_forward(self) -> None:
+        if torch.is_grad_enabled():
+            PROGRESS.forward()
+        else:
+            PROGRESS.mark(FORWARD)
         if self._registrations != _structure.registrations():
             self._check_parameters()
         if step_unfinished(self.reducer):
@@ -197,7 +209,9 @@ class BucketDataParallel(nn.Module, Joinable):
                 notified=Join.notify_join_context(self),
             )
         elif self._sync_buffers_next and self.buffers_sync.needed:
+            PROGRESS.mark(BUFFER_SYNC)
             self.buffers_sync.sync()
+            PROGRESS.mark(FORWARD)
         self.reducer.before_forward()
         grad_enabled = torch.is_grad_enabled()
         self._sync_buffers_next = grad_enabled and self.reducer.sync_enabled
@@ -319,6 +333,8 @@ class BucketDataParallel(nn.Module, Joinable):
         self.buffers_sync.world_size = self.reducer.world_size  # torch.load: maybe another
         if order is not None:
             self.reducer.load_order(order)
+        if self.options.watchdog:
+            watch(self, self.options.stall_timeout)
         # torch.load in a new process: the module-change check needs its counter there too.
         _structure.watch()
         self._registrations = _structure.registrations()

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
@@ -36,8 +37,12 @@ from torch.nn import Module
 from typing_extensions import override
 
 from .buffers import Policy
-from .options import EngineOptions, check_switches
+from .faults import PROGRESS
+from .faults import current as current_watchdog
+from .faults.progress import CHECKPOINT, COLLECTIVE
+from .options import DEFAULT_STALL_TIMEOUT, EngineOptions, check_switches
 from .parallel import BucketDataParallel
+from .strategy_launcher import WatchedScriptLauncher
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
@@ -45,7 +50,9 @@ from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
 # - ``_StrategyRegistry`` (imported below, for an annotation only);
 # - DDPStrategy's ``_ddp_kwargs`` (the wrapper's keyword arguments, passed through),
 #   ``_layer_sync`` (the SyncBatchNorm plugin the accelerator connector assigns) and
-#   ``_setup_model`` (the hook that wraps the module), all overridden or read below.
+#   ``_setup_model`` (the hook that wraps the module), all overridden or read below;
+# - ``_configure_launcher`` and ``_SubprocessScriptLauncher`` (replaced by the watched
+#   launcher of ``strategy_launcher.py``, which depends on more).
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -97,8 +104,9 @@ class BucketDDP(DDPStrategy):
     Args:
         bucket_cap_mb, first_bucket_mb, find_unused_parameters, gradient_as_bucket_view,
         broadcast_buffers, buffer_sync, default_buffer_policy, static_graph, init_sync,
-        forward_sync_buffers: the engine options, as ``BucketDataParallel`` takes them; see
-            ``bucketddp.options.EngineOptions`` for each.
+        forward_sync_buffers, watchdog, stall_timeout: the engine options, as
+            ``BucketDataParallel`` takes them; see ``bucketddp.options.EngineOptions`` for
+            each, and ``docs/reliability.md`` for the last two.
         sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm`` while
             fitting, as ``Trainer(sync_batchnorm=True)`` does.
         ddp_comm_hook: a communication hook, ``hook(state, bucket) -> Future``, registered
@@ -136,6 +144,8 @@ class BucketDDP(DDPStrategy):
         default_buffer_policy: Policy | None = None,
         broadcast_buffers: bool | None = None,
         forward_sync_buffers: bool | None = None,
+        watchdog: bool = True,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
         # ... DDPStrategy's for SyncBatchNorm and communication hooks, ...
         sync_batchnorm: bool = False,
         ddp_comm_hook: Callable[..., Any] | None = None,
@@ -202,6 +212,41 @@ class BucketDDP(DDPStrategy):
         super().setup_distributed()
         if not existed and dist.is_initialized():
             _destroy_at_exit(dist.group.WORLD)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher:
+            assert self.cluster_environment is not None
+            self._launcher = WatchedScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    # ------------------------------------------------------------------- failures
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks (through the watchdog) that this rank's training failed."""
+        if (dog := current_watchdog()) is not None:
+            dog.report_exception(exception)
+        super().on_exception(exception)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """DDPStrategy's barrier, marked as a collective for the stall check."""
+        with PROGRESS.during(COLLECTIVE, f"barrier {name}" if name else "barrier"):
+            super().barrier(name)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """DDPStrategy's broadcast, marked as a collective for the stall check."""
+        with PROGRESS.during(COLLECTIVE, "broadcast"):
+            return super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """DDPStrategy's reduce (``self.log(sync_dist=True)``), marked for the stall check."""
+        with PROGRESS.during(COLLECTIVE, "reduce"):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     # ------------------------------------------------------------------- wrapping
     @override
@@ -297,7 +342,8 @@ class BucketDDP(DDPStrategy):
         order = wrapped.bucket_order if wrapped is not None else self._learned_bucket_order
         if order is not None:
             checkpoint[CHECKPOINT_KEY] = {"bucket_order": order}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        with PROGRESS.during(CHECKPOINT, str(filepath)):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

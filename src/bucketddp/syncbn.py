@@ -24,6 +24,8 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from .faults.progress import COLLECTIVE, PROGRESS
+
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
 
 BN = TypeVar("BN", bound=_BatchNorm)
@@ -212,7 +214,8 @@ def _global_batch_stats(
         packed[:channels] = mean * count
         packed[channels:-1] = m2.clamp_(min=0.0) + mean * mean * count
         packed[-1] = count
-    dist.all_reduce(packed, group=group)
+    with PROGRESS.during(COLLECTIVE, "SyncBatchNorm statistics"):
+        dist.all_reduce(packed, group=group)
     total = packed[-1]
     mean_g = packed[:channels] / total.clamp(min=1)
     var_g = (packed[channels:-1] / total.clamp(min=1) - mean_g * mean_g).clamp_(min=0.0)
@@ -267,7 +270,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
             return None, grad_weight, grad_bias, None, None, None, None, None
 
         sums = torch.cat([sum_dy, sum_dy_xmu])
-        dist.all_reduce(sums, group=ctx.group)
+        with PROGRESS.during(COLLECTIVE, "SyncBatchNorm backward"):
+            dist.all_reduce(sums, group=ctx.group)
         channels = mean.numel()
         mean_dy = sums[:channels] / count.to(cdtype)
         mean_dy_xmu = sums[channels:] / count.to(cdtype)

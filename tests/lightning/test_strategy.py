@@ -75,6 +75,8 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
         "static_graph": True,
         "init_sync": True,
         "forward_sync_buffers": None,
+        "watchdog": True,
+        "stall_timeout": 600.0,
     }
     assert s.process_group_backend == "gloo"
     assert s._timeout == timedelta(seconds=30)

@@ -1,0 +1,108 @@
+"""The fault board: what the ranks tell each other about failures, through the store.
+
+The board is the rendezvous store the default process group was created with (TCPStore
+under torchrun, Lightning and ``init_method="tcp://"``; a FileStore works too), opened on a
+connection of its own (``Store.clone()``) so that a blocking ``get`` of the process group's
+never holds up the watchdog. No transport of our own: keys under ``bucketddp/faults/``.
+
+Keys (one writer each, except the counters):
+    events          counter, bumped after each fault record or stall alarm: the one key
+                    every rank polls
+    faults          append-only log of fault records, one JSON object per line
+    alarm           counter: a rank saw itself wait longer than the stall timeout
+    reports         append-only log of stall reports (phase, step, stacks), one per line
+    beat/<rank>     a counter each rank's watchdog rewrites every interval
+    exit/<rank>     set when a rank stops its watchdog on a normal exit
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+PREFIX = "bucketddp/faults"
+STORE_TIMEOUT = timedelta(seconds=10)
+
+
+def default_store() -> dist.Store:
+    """The store the default process group was created with."""
+    return dist.distributed_c10d._get_default_store()
+
+
+class Board:
+    """One rank's view of the fault board."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+        own = store.clone()  # type: ignore[attr-defined]
+        own.set_timeout(STORE_TIMEOUT)
+        # Typed Any: the stubs lack append and clone, which every c10d store has.
+        self._store: Any = dist.PrefixStore(PREFIX, own)
+        self.rank = rank
+        self.world_size = world_size
+
+    # -- what every rank does every interval
+    def beat(self, value: str) -> None:
+        """Tell the others this rank's watchdog is alive (``value`` changes each time)."""
+        self._store.set(f"beat/{self.rank}", value)
+
+    def events(self) -> int:
+        """How many faults and alarms were posted so far."""
+        return int(self._store.add("events", 0))
+
+    # -- faults
+    def post_fault(self, record: dict[str, Any]) -> None:
+        """Add a fault record to the log and tell every rank."""
+        self._store.append("faults", json.dumps(record) + "\n")
+        self._store.add("events", 1)
+
+    def faults(self) -> list[dict[str, Any]]:
+        """Every fault record posted so far, oldest first."""
+        if not self._store.check(["faults"]):
+            return []
+        return _records(self._store.get("faults"))
+
+    # -- stalls
+    def raise_alarm(self) -> None:
+        """Tell every rank that this one has waited longer than the stall timeout."""
+        self._store.add("alarm", 1)
+        self._store.add("events", 1)
+
+    def alarmed(self) -> bool:
+        """Whether some rank raised the stall alarm."""
+        return int(self._store.add("alarm", 0)) > 0
+
+    def post_report(self, record: dict[str, Any]) -> None:
+        """Add this rank's stall report (phase, step, stacks)."""
+        self._store.append("reports", json.dumps(record) + "\n")
+
+    def reports(self) -> list[dict[str, Any]]:
+        """The stall reports posted so far."""
+        if not self._store.check(["reports"]):
+            return []
+        return _records(self._store.get("reports"))
+
+    # -- liveness
+    def beat_of(self, rank: int) -> str | None:
+        """Rank ``rank``'s last beat, or None before its first."""
+        key = f"beat/{rank}"
+        if not self._store.check([key]):
+            return None
+        return self._store.get(key).decode()
+
+    def mark_exit(self, record: dict[str, Any]) -> None:
+        """This rank stopped watching on a normal exit (or a destroyed process group)."""
+        self._store.set(f"exit/{self.rank}", json.dumps(record))
+
+    def exit_of(self, rank: int) -> dict[str, Any] | None:
+        """Rank ``rank``'s exit record, if it exited normally."""
+        key = f"exit/{rank}"
+        if not self._store.check([key]):
+            return None
+        return dict(json.loads(self._store.get(key)))
+
+
+def _records(raw: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]

@@ -1,0 +1,38 @@
+"""What a reducer is doing right now, in words, for the watchdog's stall report.
+
+Read from the watchdog's thread while the main thread may be inside the backward, so it
+only reads plain attributes and tolerates a state that changes under it.
+"""
+
+from __future__ import annotations
+
+from .state import ReducerState
+
+_NAMES = 3  # parameter names shown per bucket
+
+
+def describe(r: ReducerState) -> tuple[bool, str]:
+    """(whether a collective of ``r`` is in flight, what its backward is doing) or (False, "")."""
+    buckets = list(r.buckets)
+    in_flight = [k for k, b in enumerate(buckets) if b.work is not None]
+    if in_flight:
+        k = in_flight[0]
+        names = [r.names[i] for i in buckets[k].members[:_NAMES]]
+        more = len(buckets[k].members) - len(names)
+        return True, (
+            f"backward, waiting for the all-reduce of bucket {k} of {len(buckets)} "
+            f"({', '.join(names)}{f' and {more} more' if more > 0 else ''})"
+        )
+    if not r.in_backward:
+        return False, ""
+    ready = list(r.ready)
+    for k, bucket in enumerate(buckets):
+        if bucket.pending > 0:
+            missing = [r.names[i] for i in bucket.members if i < len(ready) and not ready[i]]
+            shown = ", ".join(missing[:_NAMES])
+            more = len(missing) - _NAMES
+            return False, (
+                f"backward, bucket {k} of {len(buckets)} waits for the gradients of "
+                f"{shown}{f' and {more} more' if more > 0 else ''}"
+            )
+    return False, "backward"

@@ -1,0 +1,80 @@
+"""A failure on one rank ends every rank, fast, naming the failed rank (docs/reliability.md).
+
+Real jobs of two processes, each in a hand-written loop (one process per rank, as torchrun
+starts them) and under Lightning's own launcher, where rank 1 at its fifth step raises,
+is killed with SIGKILL, or sleeps forever. All six jobs run side by side to keep the suite
+short; the clock of each starts at its fault.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fault_runs import Job, start, wait
+
+pytest.importorskip("lightning")
+
+STALL = 4.0  # the stall timeout of the jobs that sleep
+WITHIN = 10.0  # every rank must be gone this many seconds after the fault (+ STALL)
+
+
+def _gone_within(job: Job, limit: float) -> list[str]:
+    fault = job.fault_time
+    if fault is None:
+        return [f"{job.mode}/{job.scenario}: rank 1 never reached its fault"]
+    return [
+        f"{job.mode}/{job.scenario}: rank {rank} still there {limit:.0f} s after the fault"
+        for rank in range(2)
+        if job.exited_at.get(rank, float("inf")) - fault > limit
+    ]
+
+
+def test_a_failing_rank_ends_every_rank_within_seconds_naming_it(tmp_path: Path) -> None:
+    jobs = {
+        (mode, scenario): start(
+            mode,
+            scenario,
+            tmp_path / f"{mode}-{scenario}",
+            stall=STALL if scenario == "sleep" else 600.0,
+        )
+        for mode in ("loop", "lightning")
+        for scenario in ("raise", "kill", "sleep")
+    }
+    wait(list(jobs.values()), timeout=150)
+    problems: list[str] = []
+    for (mode, scenario), job in jobs.items():
+        limit = WITHIN + (STALL if scenario == "sleep" else 0.0)
+        problems += _gone_within(job, limit)
+        out = job.output(0)
+        if scenario == "raise":
+            expect = ["rank 0 stops because rank 1 (host", "ValueError: boom at step 5"]
+        elif scenario == "kill":
+            expect = ["rank 0 stops because rank 1 (host"]
+            # Lightning's rank 0 launched rank 1 and sees its signal; side by side it cannot.
+            expect += (
+                ["was killed by signal SIGKILL"]
+                if mode == "lightning"
+                else ["died without reporting an error", "killed by a signal or the OOM killer"]
+            )
+        else:
+            expect = ["rank 0 stops: no progress for over 4 s", "Stalled: rank 1 (host"]
+            expect += ["Python stacks of rank 0", "Python stacks of rank 1", "fault_script.py"]
+        problems += [
+            f"{mode}/{scenario}: rank 0's output lacks {text!r}"
+            for text in expect
+            if text not in out
+        ]
+        if mode == "loop":
+            # Every error path exits with a code; the killed rank alone dies of a signal.
+            want = {0: 1, 1: -9 if scenario == "kill" else 1}
+            if job.codes != want:
+                problems.append(f"loop/{scenario}: exit codes {job.codes}, wanted {want}")
+            if scenario == "sleep" and "Stalled: rank 1 (host" not in job.output(1):
+                problems.append("loop/sleep: rank 1's own error does not name it as stalled")
+        elif job.codes.get(0) != 1:
+            problems.append(f"lightning/{scenario}: rank 0 exit code {job.codes.get(0)}, wanted 1")
+    tails = {f"{m}/{s}": j.output(0)[-1500:] for (m, s), j in jobs.items()}
+    assert not problems, (
+        "\n".join(problems) + "\n" + "\n".join(f"== {k}\n{v}" for k, v in tails.items())
+    )
