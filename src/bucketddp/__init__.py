@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _registry
 from .buckets import Bucket, BucketPlan
+from .faults import RankFailedError, RankStalledError
 from .parallel import BucketDataParallel
 from .reducer import CommStats
 
@@ -25,6 +26,8 @@ __all__ = [
     "BucketDataParallel",
     "BucketPlan",
     "CommStats",
+    "RankFailedError",
+    "RankStalledError",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "revert_sync_batchnorm",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from fault_runs import Job, start, wait
 
 pytest.importorskip("lightning")

@@ -77,3 +77,14 @@ def test_options_object_and_engine_keywords_are_exclusive() -> None:
     # Refused before anything else, so no process group is needed to see it.
     with pytest.raises(TypeError, match=r"find_unused_parameters given together with options="):
         BucketDataParallel(torch.nn.Linear(2, 2), options=options, find_unused_parameters=True)
+
+
+def test_stall_timeout_is_seconds_or_none() -> None:
+    assert EngineOptions().stall_timeout == 600.0
+    assert EngineOptions(stall_timeout=None).stall_timeout is None
+    with pytest.raises(ValueError, match="stall_timeout must be a positive, finite number"):
+        EngineOptions(stall_timeout=0)
+    with pytest.raises(TypeError, match="stall_timeout must be a number of seconds or None"):
+        EngineOptions(stall_timeout="60")
+    with pytest.raises(TypeError, match="watchdog must be True or False"):
+        EngineOptions(watchdog="no")

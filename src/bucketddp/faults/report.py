@@ -51,10 +51,11 @@ def cause(record: dict[str, Any]) -> str:
             f"rank {record['rank']} hosts the rendezvous store, which stopped answering: "
             "it likely died (killed by a signal or the OOM killer) or exited"
         )
+    last = f" (its last heartbeat came{where(record)})" if "step" in record else ""
     return (
-        f"{who(record)} died without reporting an error{where(record)}: no sign of life "
-        f"for {record.get('silent_s', 0):.0f} s, so it was likely killed by a signal or the "
-        "OOM killer"
+        f"{who(record)} died without reporting an error{last}: no sign of life for "
+        f"{record.get('silent_s', 0):.0f} s, so it was likely killed by a signal or the OOM "
+        "killer"
     )
 
 
