@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from torch import Tensor
@@ -42,7 +43,7 @@ from .faults import current as current_watchdog
 from .faults.progress import CHECKPOINT, COLLECTIVE
 from .options import DEFAULT_STALL_TIMEOUT, EngineOptions, check_switches
 from .parallel import BucketDataParallel
-from .strategy_launcher import WatchedScriptLauncher
+from .strategy_launcher import WatchedProcessLauncher, WatchedScriptLauncher
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
@@ -221,6 +222,9 @@ class BucketDDP(DDPStrategy):
             self._launcher = WatchedScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
+        elif type(self._launcher) is _MultiProcessingLauncher:
+            method = self._start_method  # spawn, fork or forkserver: popen is handled above
+            self._launcher = WatchedProcessLauncher(self, start_method=method)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------- failures
     @override

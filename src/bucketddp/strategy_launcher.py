@@ -1,4 +1,4 @@
-"""Lightning's script launcher, with the watchdog naming the ranks it started.
+"""Lightning's launchers, with the watchdog naming the ranks they started.
 
 Lightning's own launcher (``_SubprocessScriptLauncher``) starts ranks 1.. of a node as
 child scripts of rank 0, and a thread of its kills every process, rank 0 included, with
@@ -18,9 +18,10 @@ from typing import Any
 
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from .faults import adopt_children
+from .faults import adopt_children, current
 from .faults.monitor import GRACE
 
 # Lightning's kill of the whole job comes only this long after a child failed: by then
@@ -61,3 +62,19 @@ class WatchedScriptLauncher(_SubprocessScriptLauncher):
         while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
             time.sleep(0.1)
         super().kill(signum)
+
+
+class WatchedProcessLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher; a rank's exception is posted for the others.
+
+    Under it an exception in a rank never reaches the strategy's ``on_exception`` in that
+    process (the launcher sends it to the main process instead), so it is posted here.
+    """
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(*args, **kwargs)
+        except BaseException as exc:
+            if (dog := current()) is not None:
+                dog.report_exception(exc)
+            raise

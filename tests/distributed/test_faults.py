@@ -1,9 +1,10 @@
 """A failure on one rank ends every rank, fast, naming the failed rank (docs/reliability.md).
 
 Real jobs of two processes, each in a hand-written loop (one process per rank, as torchrun
-starts them) and under Lightning's own launcher, where rank 1 at its fifth step raises,
-is killed with SIGKILL, or sleeps forever. All six jobs run side by side to keep the suite
-short; the clock of each starts at its fault.
+starts them) and under Lightning's own script launcher, where rank 1 at its fifth step
+raises, is killed with SIGKILL, or sleeps forever; and one under Lightning's spawn launcher
+where rank 1 raises. All seven jobs run side by side to keep the suite short; the clock of
+each starts at its fault.
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ def _gone_within(job: Job, limit: float) -> list[str]:
 
 
 def test_a_failing_rank_ends_every_rank_within_seconds_naming_it(tmp_path: Path) -> None:
+    cases = [(m, s) for m in ("loop", "lightning") for s in ("raise", "kill", "sleep")]
+    cases.append(("spawn", "raise"))  # Lightning's spawn launcher: no on_exception in ranks
     jobs = {
         (mode, scenario): start(
-            mode,
+            "loop" if mode == "loop" else "lightning",
             scenario,
             tmp_path / f"{mode}-{scenario}",
             stall=STALL if scenario == "sleep" else 600.0,
+            start_method="spawn" if mode == "spawn" else "popen",
         )
-        for mode in ("loop", "lightning")
-        for scenario in ("raise", "kill", "sleep")
+        for mode, scenario in cases
     }
     wait(list(jobs.values()), timeout=150)
     problems: list[str] = []

@@ -51,13 +51,19 @@ class Job:
 
 
 def start(
-    mode: str, scenario: str, out: Path, *, stall: float = 600.0, system: str = "bucketddp"
+    mode: str,
+    scenario: str,
+    out: Path,
+    *,
+    stall: float = 600.0,
+    system: str = "bucketddp",
+    start_method: str = "popen",
 ) -> Job:
-    """Start a job; ``out`` receives its files."""
+    """Start a job; ``out`` receives its files. ``start_method`` is BucketDDP's."""
     out.mkdir(parents=True, exist_ok=True)
     job = Job(mode, scenario, out)
     cmd = [sys.executable, str(SCRIPT), mode, scenario, str(out), "--stall", str(stall)]
-    cmd += ["--system", system]
+    cmd += ["--system", system, "--start-method", start_method]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ranks = range(WORLD_SIZE) if mode == "loop" else range(1)
     for rank in ranks:

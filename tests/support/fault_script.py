@@ -75,30 +75,12 @@ def lightning(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
-    out, scenario = args.out, args.scenario
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = model()
-
-        def on_fit_start(self) -> None:
-            started(self.global_rank, out)
-
-        def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
-            if self.global_rank == 1 and i + 1 == FAULT_STEP and scenario != "none":
-                fault(scenario, out)
-            return self.net(batch[0]).square().mean()
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     if args.system == "torch":
         strategy: object = "ddp"
     else:
         from bucketddp import BucketDDP
 
-        strategy = BucketDDP(stall_timeout=args.stall)
+        strategy = BucketDDP(stall_timeout=args.stall, start_method=args.start_method)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -111,7 +93,30 @@ def lightning(args: argparse.Namespace) -> None:
         num_sanity_val_steps=0,
     )
     data = TensorDataset(torch.randn(8 * STEPS, 16))
-    trainer.fit(Module(), DataLoader(data, batch_size=8))
+    trainer.fit(Module(args.out, args.scenario), DataLoader(data, batch_size=8))
+
+
+if sys.argv[1:2] == ["lightning"]:  # at module level, so that spawned ranks can unpickle it
+    import lightning.pytorch as pl
+
+    class Module(pl.LightningModule):
+        """The model of the Lightning jobs; rank 1 faults in its fifth training step."""
+
+        def __init__(self, out: Path, scenario: str) -> None:
+            super().__init__()
+            self.net = model()
+            self.out, self.scenario = out, scenario
+
+        def on_fit_start(self) -> None:
+            started(self.global_rank, self.out)
+
+        def training_step(self, batch: list[torch.Tensor], i: int) -> torch.Tensor:
+            if self.global_rank == 1 and i + 1 == FAULT_STEP and self.scenario != "none":
+                fault(self.scenario, self.out)
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def main() -> None:
@@ -122,6 +127,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--stall", type=float, default=600.0)
     parser.add_argument("--system", choices=["bucketddp", "torch"], default="bucketddp")
+    parser.add_argument("--start-method", default="popen", help="BucketDDP's start_method")
     args = parser.parse_args()
     torch.set_num_threads(1)
     (loop if args.mode == "loop" else lightning)(args)
