@@ -6,15 +6,23 @@ only reads plain attributes and tolerates a state that changes under it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .state import ReducerState
 
 _NAMES = 3  # parameter names shown per bucket
 
 
+def _done(work: Any) -> bool:
+    """Whether a bucket's collective (a ``Work`` or a hook's ``Future``) completed."""
+    done = getattr(work, "is_completed", None) or getattr(work, "done", None)
+    return bool(done()) if done is not None else False
+
+
 def describe(r: ReducerState) -> tuple[bool, str]:
     """(whether a collective of ``r`` is in flight, what its backward is doing) or (False, "")."""
     buckets = list(r.buckets)
-    in_flight = [k for k, b in enumerate(buckets) if b.work is not None]
+    in_flight = [k for k, b in enumerate(buckets) if b.work is not None and not _done(b.work)]
     if in_flight:
         k = in_flight[0]
         names = [r.names[i] for i in buckets[k].members[:_NAMES]]
