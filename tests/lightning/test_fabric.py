@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from fabric_runs import ADDED_PER_FORWARD, STEPS, all_runs
+from fabric_runs import ADDED_PER_FORWARD, STEPS, WORLD_SIZE, all_runs
 from lightning_runs import assert_same, moved
 from multirank import run_ranks
 
@@ -25,7 +25,7 @@ pytest.importorskip("lightning")
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("fabric")
-    results = run_ranks(all_runs, 2, str(out), timeout=180)
+    results = run_ranks(all_runs, WORLD_SIZE, str(out), timeout=180)
     for r in results:
         r["out"] = out
     return results

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+WORLD_SIZE = 2
 LOCAL_ROWS = 4
 STEPS = 4
 ADDED_PER_FORWARD = LOCAL_ROWS
@@ -66,7 +67,7 @@ def state(module: nn.Module) -> dict[str, torch.Tensor]:
 def _fabric(strategy: Any) -> Any:
     from lightning.fabric import Fabric
 
-    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy)
+    fabric = Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy)
     fabric.launch()
     return fabric
 
