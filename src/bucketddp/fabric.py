@@ -33,16 +33,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from .buffers import Policy
-from .options import EngineOptions, check_switches
+from .options import EngineOptions
 from .parallel import BucketDataParallel
 from .strategy_common import (
     CHECKPOINT_KEY,
-    check_model_averaging,
-    comm_hook_from,
-    describe,
+    StrategyOptions,
     destroy_at_exit,
     is_post_local_sgd,
-    strategy_names,
+    register_twins,
 )
 from .syncbn import convert_sync_batchnorm
 
@@ -136,10 +134,7 @@ class BucketFabricDDP(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self._engine_options = EngineOptions.from_arguments(locals(), unused_hint=UNUSED_HINT)
-        check_switches(sync_batchnorm=sync_batchnorm)
-        self._comm_hook = comm_hook_from(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
-        check_model_averaging(ddp_comm_state, model_averaging_period)
+        self._options = StrategyOptions.from_arguments(locals(), UNUSED_HINT)
         # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``: ours, checked,
         # for code that reads them there; ``setup_module`` passes the options themselves.
         super().__init__(
@@ -151,19 +146,15 @@ class BucketFabricDDP(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-            **self._engine_options.keywords(),
+            **self.engine_options.keywords(),
         )
         self._backward_sync_control = _BucketBackwardSyncControl()
-        self._sync_batchnorm = sync_batchnorm
-        self._averaging: tuple[object, int] | None = (
-            (ddp_comm_state, model_averaging_period) if model_averaging_period is not None else None
-        )
         self._averager: PeriodicModelAverager | None = None
 
     @property
     def engine_options(self) -> EngineOptions:
         """The options every module set up with this strategy is wrapped with."""
-        return self._engine_options
+        return self._options.engine
 
     # ------------------------------------------------------------------ process group
     @override
@@ -178,18 +169,18 @@ class BucketFabricDDP(DDPStrategy):
     def setup_module(self, module: Module) -> BucketDataParallel:  # type: ignore[override]
         """Convert BatchNorm if asked, wrap ``module`` in ``BucketDataParallel`` with this
         strategy's options and register the communication hook."""
-        if self._sync_batchnorm:
+        if self._options.sync_batchnorm:
             module = convert_sync_batchnorm(module)
         log.debug(
             "BucketFabricDDP: wrapping the model in BucketDataParallel(%s)", self.engine_options
         )
         wrapped = BucketDataParallel(
-            module, device_ids=self._determine_ddp_device_ids(), options=self._engine_options
+            module, device_ids=self._determine_ddp_device_ids(), options=self.engine_options
         )
-        if self._comm_hook is not None:
-            wrapped.register_comm_hook(*self._comm_hook)
-        if self._averaging is not None and self._averager is None:
-            self._averager = _averager(*self._averaging)
+        if self._options.comm_hook is not None:
+            wrapped.register_comm_hook(*self._options.comm_hook)
+        if self._options.averaging is not None and self._averager is None:
+            self._averager = _averager(*self._options.averaging)
         return wrapped
 
     @override
@@ -270,10 +261,7 @@ class BucketFabricDDP(DDPStrategy):
         """Register a bucket twin of each DDP name Fabric registers ("bucket_ddp",
         "bucket_ddp_spawn", "bucket_ddp_fork", "bucket_ddp_notebook" and
         "bucket_ddp_find_unused_parameters_true")."""
-        for name, arguments in strategy_names("fabric"):
-            if name not in strategy_registry:
-                description = describe(cls.__name__, arguments)
-                strategy_registry.register(name, cls, description=description, **arguments)
+        register_twins(cls, strategy_registry, "fabric")
 
 
 class _BucketBackwardSyncControl(_BackwardSyncControl):

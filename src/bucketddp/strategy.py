@@ -35,16 +35,8 @@ from torch.nn import Module
 from typing_extensions import override
 
 from .buffers import Policy
-from .options import EngineOptions, check_switches
 from .parallel import BucketDataParallel
-from .strategy_common import (
-    CHECKPOINT_KEY,
-    check_model_averaging,
-    comm_hook_from,
-    describe,
-    destroy_at_exit,
-    strategy_names,
-)
+from .strategy_common import CHECKPOINT_KEY, StrategyOptions, destroy_at_exit, register_twins
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
@@ -166,10 +158,9 @@ class BucketDDP(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self._engine_options = EngineOptions.from_arguments(locals(), unused_hint=UNUSED_HINT)
-        check_switches(sync_batchnorm=sync_batchnorm)
-        self._comm_hook = comm_hook_from(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
-        check_model_averaging(ddp_comm_state, model_averaging_period)
+        options = StrategyOptions.from_arguments(locals(), UNUSED_HINT)
+        self._engine_options = options.engine
+        self._comm_hook = options.comm_hook
         # Set before DDPStrategy.__init__, which assigns ``_layer_sync`` (our property).
         self._sync_batchnorm = sync_batchnorm
         # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``: ours, checked,
@@ -353,10 +344,7 @@ class BucketDDP(DDPStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register a bucket twin of each DDP name the Trainer registers ("bucket_ddp",
         "bucket_ddp_notebook", "bucket_ddp_spawn_find_unused_parameters_true", ...)."""
-        for name, arguments in strategy_names("trainer"):
-            if name not in strategy_registry:
-                description = describe(cls.__name__, arguments)
-                strategy_registry.register(name, cls, description=description, **arguments)
+        register_twins(cls, strategy_registry, "trainer")
 
 
 def _adopt_bucket_order(wrapped: BucketDataParallel, order: list[str]) -> None:

@@ -1,17 +1,20 @@
 """What the Trainer strategy and the Fabric strategy share, without importing Lightning.
 
-- ``strategy_names``: the registered names, one twin of each DDP name Lightning registers;
-- ``comm_hook_from`` and ``check_model_averaging``: the communication-hook options, checked;
+- ``StrategyOptions``: the options both take besides the launcher's, checked once;
+- ``register_twins``: one twin of each DDP name Lightning registers, in its registry;
 - ``destroy_at_exit``: the default process group a strategy created, destroyed at exit.
 """
 
 from __future__ import annotations
 
 import atexit
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import torch.distributed as dist
+
+from .options import EngineOptions, check_switches
 
 CHECKPOINT_KEY = "bucketddp"
 """The checkpoint entry the strategies add: ``{"bucket_order": [parameter names]}``."""
@@ -40,10 +43,55 @@ def strategy_names(family: Literal["trainer", "fabric"]) -> list[tuple[str, dict
     return names
 
 
-def describe(cls_name: str, arguments: dict[str, Any]) -> str:
-    """A registry entry's description: the strategy as the name constructs it."""
-    given = ", ".join(f"{k}={v!r}" for k, v in arguments.items())
-    return f"{cls_name}({given})"
+class _Registry(Protocol):
+    """Lightning's ``_StrategyRegistry``, as far as ``register_twins`` uses it."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def register(self, name: str, strategy: Any, description: str, **init_params: Any) -> Any: ...
+
+
+def register_twins(cls: type, registry: _Registry, family: Literal["trainer", "fabric"]) -> None:
+    """Register ``cls`` under each name of ``strategy_names(family)`` not registered yet."""
+    for name, arguments in strategy_names(family):
+        if name not in registry:
+            given = ", ".join(f"{k}={v!r}" for k, v in arguments.items())
+            description = f"{cls.__name__}({given})"
+            registry.register(name, cls, description=description, **arguments)
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """What a strategy takes besides the launcher's arguments, checked once.
+
+    Attributes:
+        engine: the wrapper's options.
+        comm_hook: ``(state, hook)`` to register on the wrapper, or None.
+        sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm``.
+        averaging: post-local SGD's ``(PostLocalSGDState, model_averaging_period)``, or None.
+    """
+
+    engine: EngineOptions
+    comm_hook: tuple[object | None, Callable[..., Any]] | None
+    sync_batchnorm: bool
+    averaging: tuple[object, int] | None
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any], unused_hint: str) -> StrategyOptions:
+        """The options among a strategy's ``__init__`` arguments (its ``locals()``).
+
+        Raises:
+            TypeError, ValueError: a bad engine option (see ``EngineOptions``), a
+                ``sync_batchnorm`` other than True or False, or bad hook options (see
+                ``comm_hook_from`` and ``check_model_averaging``).
+        """
+        engine = EngineOptions.from_arguments(arguments, unused_hint=unused_hint)
+        check_switches(sync_batchnorm=arguments["sync_batchnorm"])
+        state, period = arguments["ddp_comm_state"], arguments["model_averaging_period"]
+        hook = comm_hook_from(arguments["ddp_comm_hook"], state, arguments["ddp_comm_wrapper"])
+        check_model_averaging(state, period)
+        averaging = (state, period) if period is not None else None
+        return cls(engine, hook, arguments["sync_batchnorm"], averaging)
 
 
 def comm_hook_from(

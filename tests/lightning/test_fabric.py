@@ -92,3 +92,28 @@ def test_save_and_load_round_trip(ranks: list[dict[str, Any]]) -> None:
     assert not [k for k in ckpt["model"] if k.startswith("module.")]
     assert ckpt["bucketddp"] == {"bucket_order": ranks[0]["saved_order"]}
     assert ckpt["step"] == STEPS
+
+
+def test_bad_options_fail_when_the_strategy_is_built() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from bucketddp import BucketFabricDDP
+
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive, finite number"):
+        BucketFabricDDP(bucket_cap_mb=0)
+    with pytest.raises(TypeError, match="sync_batchnorm must be True or False, got str 'yes'"):
+        BucketFabricDDP(sync_batchnorm="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ddp_comm_wrapper apply to a ddp_comm_hook"):
+        BucketFabricDDP(ddp_comm_wrapper=default_hooks.fp16_compress_wrapper)
+    with pytest.raises(ValueError, match="applies to post-local SGD only"):
+        BucketFabricDDP(model_averaging_period=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'device_ids'"):
+        BucketFabricDDP(device_ids=[0])  # type: ignore[call-arg]
+    strategy = BucketFabricDDP(find_unused_parameters=True, buffer_sync={"*.ema": "mean"})
+    assert strategy.engine_options.find_unused_parameters is True
+    assert 'Fabric(strategy="bucket_ddp_find_unused_parameters_true")' in (
+        strategy.engine_options.unused_hint
+    )
+    # no_backward_sync on a model some other strategy wrapped names what it got.
+    with pytest.raises(TypeError, match=r"needs a model set up by BucketFabricDDP.*got Linear"):
+        strategy._backward_sync_control.no_backward_sync(torch.nn.Linear(1, 1), True)
