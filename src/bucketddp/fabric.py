@@ -243,9 +243,11 @@ class BucketFabricDDP(DDPStrategy):
         user saved.
         """
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        saved = remainder.pop(CHECKPOINT_KEY, None)
-        order = (saved or {}).get("bucket_order") if isinstance(saved, dict) else None
-        if order is not None and isinstance(state, dict):
+        saved = remainder.get(CHECKPOINT_KEY)
+        if not (isinstance(saved, dict) and "bucket_order" in saved):
+            return remainder  # no entry of ours (a key of the user's own is left alone)
+        order = remainder.pop(CHECKPOINT_KEY)["bucket_order"]
+        if isinstance(state, dict):
             adopted = _one_wrapper(state, lambda w: w.load_bucket_order(order))
             if adopted is False:
                 log.debug(
