@@ -73,8 +73,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    # The only line that differs from a plain Lightning DDP script:
-    strategy = BucketDDP() if args.strategy == "bucket_ddp" else "ddp"
+    # The only line that differs from a plain Lightning DDP script. BucketDDP takes
+    # sync_batchnorm itself too, so it has no Lightning plugin to replace (and no warning).
+    bucket = BucketDDP(sync_batchnorm=args.sync_batchnorm)
+    strategy = bucket if args.strategy == "bucket_ddp" else "ddp"
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,

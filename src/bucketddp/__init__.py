@@ -1,12 +1,14 @@
-"""bucketddp: a bucketed data-parallel gradient reducer for PyTorch and a Lightning strategy.
+"""bucketddp: a bucketed data-parallel gradient reducer for PyTorch, and Lightning
+strategies built on it for the Trainer and for Fabric.
 
-``import bucketddp`` never imports Lightning's trainer machinery: ``BucketDDP`` is loaded
-on first access, and the strategy names ("bucket_ddp", ...) are registered with Lightning
-as soon as Lightning itself is imported (see ``_registry.py``).
+``import bucketddp`` never imports Lightning: ``BucketDDP`` and ``BucketFabricDDP`` are
+loaded on first access, and the strategy names ("bucket_ddp", ...) are registered with
+Lightning as soon as Lightning itself is imported (see ``_registry.py``).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import _registry
@@ -16,6 +18,7 @@ from .parallel import BucketDataParallel
 from .reducer import CommStats
 
 if TYPE_CHECKING:
+    from .fabric import BucketFabricDDP
     from .strategy import BucketDDP
 
 __version__ = "0.1.0.dev0"
@@ -24,6 +27,7 @@ __all__ = [
     "Bucket",
     "BucketDDP",
     "BucketDataParallel",
+    "BucketFabricDDP",
     "BucketPlan",
     "CommStats",
     "RankFailedError",
@@ -34,17 +38,20 @@ __all__ = [
 ]
 
 
+_STRATEGIES = {"BucketDDP": "strategy", "BucketFabricDDP": "fabric"}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "BucketDDP":
+    if name in _STRATEGIES:
         try:
-            from .strategy import BucketDDP
+            module = importlib.import_module(f".{_STRATEGIES[name]}", __name__)
         except ModuleNotFoundError as err:
             if err.name is None or not err.name.startswith("lightning"):
                 raise
             raise ImportError(
-                "bucketddp.BucketDDP needs Lightning: pip install 'bucketddp[lightning]'"
+                f"bucketddp.{name} needs Lightning: pip install 'bucketddp[lightning]'"
             ) from err
-        return BucketDDP
+        return getattr(module, name)
     if name in ("SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"):
         from . import syncbn
 

@@ -1,15 +1,17 @@
-"""Register BucketDDP's strategy names with Lightning, without importing Lightning.
+"""Register bucketddp's strategy names with Lightning, without importing Lightning.
 
 ``import bucketddp`` must stay cheap for plain PyTorch programs and must work where Lightning
-is not installed, yet ``Trainer(strategy="bucket_ddp")`` must work after ``import bucketddp``
-whichever of the two packages the user imports first. So:
+is not installed, yet ``Trainer(strategy="bucket_ddp")`` and ``Fabric(strategy="bucket_ddp")``
+must work after ``import bucketddp`` whichever package the user imports first. Each
+Lightning package has its strategy module, which registers the names as it loads:
+``lightning.pytorch`` has ``bucketddp.strategy``, ``lightning.fabric`` has ``bucketddp.fabric``.
+For each:
 
-- if ``lightning.pytorch`` is already imported, ``bucketddp.strategy`` is imported now, and
-  registers the names as it loads;
-- otherwise a finder on ``sys.meta_path`` waits for ``lightning.pytorch`` to be imported and
-  imports ``bucketddp.strategy`` right after the package has finished executing, then
-  removes itself. Waiting for the whole package, rather than ``lightning.pytorch.strategies``,
-  means ``bucketddp.strategy`` never sees a half-initialized Lightning.
+- if the Lightning package is already imported, the strategy module is imported now;
+- otherwise a finder on ``sys.meta_path`` waits for the package to be imported and imports
+  the strategy module right after the package has finished executing; once every package
+  is served, the finder removes itself. Waiting for the whole package, rather than its
+  ``strategies`` subpackage, means a strategy module never sees a half-initialized package.
 
 This module imports nothing from Lightning.
 """
@@ -24,45 +26,59 @@ from collections.abc import Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
-_TARGET = "lightning.pytorch"
+_STRATEGY_MODULES = {
+    "lightning.pytorch": "bucketddp.strategy",
+    "lightning.fabric": "bucketddp.fabric",
+}
+"""Each Lightning package, and the module of ours that registers our names with it."""
 
 
 def install() -> None:
-    """Register now if Lightning is loaded, else once it is."""
-    module = sys.modules.get(_TARGET)
-    if module is not None:
+    """Register now with each Lightning package that is loaded, and later with the others."""
+    waiting = set()
+    for target, strategy_module in _STRATEGY_MODULES.items():
+        module = sys.modules.get(target)
+        if module is None:
+            waiting.add(target)
+            continue
         spec = getattr(module, "__spec__", None)
         if not getattr(spec, "_initializing", False):
-            _register()
-        # A Lightning still initializing is importing bucketddp itself; the names are then
-        # registered when bucketddp.strategy is first imported (``bucketddp.BucketDDP``).
-        return
-    if not any(isinstance(f, _AfterLightningImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterLightningImport())
+            _register(strategy_module)
+        # A Lightning package still initializing is importing bucketddp itself; the names
+        # are then registered when the strategy module is first imported.
+    finder = next((f for f in sys.meta_path if isinstance(f, _AfterLightningImport)), None)
+    if finder is not None:
+        finder.waiting &= waiting
+    elif waiting:
+        sys.meta_path.insert(0, _AfterLightningImport(waiting))
 
 
-def _register() -> None:
-    # bucketddp.strategy registers the names at import. If it is already in sys.modules,
+def _register(strategy_module: str) -> None:
+    # The strategy module registers the names at import. If it is already in sys.modules,
     # possibly half-imported because it is the module importing Lightning right now, this
     # returns at once and its own last line does the registering.
     try:
-        importlib.import_module("bucketddp.strategy")
+        importlib.import_module(strategy_module)
     except Exception as err:  # never let our registration break ``import lightning``
         warnings.warn(
             f"bucketddp could not register its Lightning strategies ({err!r}); "
-            "Trainer(strategy=BucketDDP()) and strategy='bucket_ddp' are unavailable",
+            f"the names of {strategy_module} ('bucket_ddp', ...) are unavailable",
             RuntimeWarning,
             stacklevel=2,
         )
 
 
 class _AfterLightningImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loader of ``lightning.pytorch`` to register after it."""
+    """Finds nothing itself; wraps the loader of a Lightning package to register after it."""
+
+    def __init__(self, waiting: set[str]) -> None:
+        self.waiting = waiting
+        """The Lightning packages not imported yet."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> ModuleSpec | None:
-        if fullname != _TARGET:
+        if fullname not in self.waiting:
             return None
         spec = None
         for finder in sys.meta_path:
@@ -93,9 +109,10 @@ class _RegisteringLoader(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self._inner
         self._inner.exec_module(module)
-        if self._finder in sys.meta_path:
+        self._finder.waiting.discard(module.__name__)
+        if not self._finder.waiting and self._finder in sys.meta_path:
             sys.meta_path.remove(self._finder)
-        _register()
+        _register(_STRATEGY_MODULES[module.__name__])
 
     def __getattr__(self, name: str) -> object:
         # Anything else a caller asks of the loader (get_resource_reader, is_package, ...).

@@ -18,7 +18,6 @@ This is the only module of the package that imports Lightning.
 
 from __future__ import annotations
 
-import atexit
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -31,7 +30,7 @@ from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_warn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
@@ -41,8 +40,9 @@ from .buffers import Policy
 from .faults import PROGRESS
 from .faults import current as current_watchdog
 from .faults.progress import CHECKPOINT, COLLECTIVE
-from .options import DEFAULT_STALL_TIMEOUT, EngineOptions, check_switches
+from .options import DEFAULT_STALL_TIMEOUT
 from .parallel import BucketDataParallel
+from .strategy_common import CHECKPOINT_KEY, StrategyOptions, destroy_at_exit, register_twins
 from .strategy_launcher import WatchedProcessLauncher, WatchedScriptLauncher
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
 
@@ -64,14 +64,21 @@ __all__ = ["BucketDDP", "BucketSyncBatchNorm"]
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KEY = "bucketddp"
-"""The checkpoint entry BucketDDP adds: ``{"bucket_order": [parameter names]}``."""
-
 UNUSED_HINT = (
     "Pass BucketDDP(find_unused_parameters=True), or "
     'Trainer(strategy="bucket_ddp_find_unused_parameters_true")'
 )
 """How the error about parameters without a gradient names the strategy's option."""
+
+TORCH_SYNCBN_REPLACED = (
+    "BucketDDP syncs BatchNorm with bucketddp.SyncBatchNorm (its BucketSyncBatchNorm plugin) "
+    "in place of Lightning's TorchSyncBatchNorm, from Trainer(sync_batchnorm=True) or "
+    "plugins=[TorchSyncBatchNorm()]: torch.nn.SyncBatchNorm refuses CPU tensors in training, "
+    "and bucketddp's layer computes the same statistics and gradients on every backend. "
+    "Pass BucketDDP(sync_batchnorm=True) to ask for it and silence this warning; a LayerSync "
+    "plugin of another class is used as given."
+)
+"""The warning when Lightning's SyncBatchNorm plugin is replaced by ours."""
 
 
 class BucketSyncBatchNorm(LayerSync):
@@ -163,10 +170,9 @@ class BucketDDP(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self._engine_options = EngineOptions.from_arguments(locals(), unused_hint=UNUSED_HINT)
-        check_switches(sync_batchnorm=sync_batchnorm)
-        self._comm_hook = _comm_hook(ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
-        _check_averaging(ddp_comm_state, model_averaging_period)
+        options = StrategyOptions.from_arguments(locals(), UNUSED_HINT)
+        self._engine_options = options.engine
+        self._comm_hook = options.comm_hook
         # Set before DDPStrategy.__init__, which assigns ``_layer_sync`` (our property).
         self._sync_batchnorm = sync_batchnorm
         # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``: ours, checked,
@@ -202,6 +208,10 @@ class BucketDDP(DDPStrategy):
 
     @_layer_sync.setter
     def _layer_sync(self, plugin: LayerSync | None) -> None:
+        # Lightning hands Trainer(sync_batchnorm=True) and plugins=[TorchSyncBatchNorm()] over
+        # alike, so both are replaced, with a warning unless the strategy was asked itself.
+        if type(plugin) is TorchSyncBatchNorm and not self._sync_batchnorm:
+            rank_zero_warn(TORCH_SYNCBN_REPLACED)
         if type(plugin) is TorchSyncBatchNorm or (plugin is None and self._sync_batchnorm):
             plugin = BucketSyncBatchNorm()
         self._bucket_layer_sync = plugin
@@ -212,7 +222,7 @@ class BucketDDP(DDPStrategy):
         existed = dist.is_available() and dist.is_initialized()
         super().setup_distributed()
         if not existed and dist.is_initialized():
-            _destroy_at_exit(dist.group.WORLD)
+            destroy_at_exit(dist.group.WORLD)
 
     @override
     def _configure_launcher(self) -> None:
@@ -383,20 +393,9 @@ class BucketDDP(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        """Register "bucket_ddp", "bucket_ddp_spawn" and
-        "bucket_ddp_find_unused_parameters_true"."""
-        entries: list[tuple[str, str, dict[str, Any]]] = [
-            ("bucket_ddp", "BucketDDP, processes started as scripts", {}),
-            ("bucket_ddp_spawn", "BucketDDP, processes spawned", {"start_method": "spawn"}),
-            (
-                "bucket_ddp_find_unused_parameters_true",
-                "BucketDDP with find_unused_parameters=True",
-                {"find_unused_parameters": True},
-            ),
-        ]
-        for name, description, params in entries:
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=description, **params)
+        """Register a bucket twin of each DDP name the Trainer registers ("bucket_ddp",
+        "bucket_ddp_notebook", "bucket_ddp_spawn_find_unused_parameters_true", ...)."""
+        register_twins(cls, strategy_registry, "trainer")
 
 
 def _adopt_bucket_order(wrapped: BucketDataParallel, order: list[str]) -> None:
@@ -407,68 +406,6 @@ def _adopt_bucket_order(wrapped: BucketDataParallel, order: list[str]) -> None:
             "BucketDDP: the checkpoint's bucket order names other parameters than the model "
             "has; the order is learned again in the first backward pass"
         )
-
-
-# The default group BucketDDP created in this process, destroyed when the interpreter exits.
-# Not at teardown: a later trainer.test() or a new Trainer in the same script reuses the
-# group, as with DDPStrategy, and re-creating one over the same address races with ranks
-# still holding the old one. A gloo group left alive into interpreter shutdown is what
-# makes Lightning runs end in "terminate called without an active exception" (SIGABRT).
-_created_group: dist.ProcessGroup | None = None
-
-
-def _comm_hook(
-    hook: Callable[..., Any] | None, state: object | None, wrapper: Callable[..., Any] | None
-) -> tuple[object | None, Callable[..., Any]] | None:
-    """``(state, hook)`` to register on the wrapper, the wrapper applied; None for no hook.
-
-    Raises:
-        ValueError: a state or wrapper without a hook.
-    """
-    if hook is None:
-        if state is not None or wrapper is not None:
-            raise ValueError(
-                "ddp_comm_state and ddp_comm_wrapper apply to a ddp_comm_hook, and none was "
-                "given; pass ddp_comm_hook=..., e.g. default_hooks.fp16_compress_hook"
-            )
-        return None
-    return state, (wrapper(hook) if wrapper is not None else hook)
-
-
-def _check_averaging(state: object | None, period: int | None) -> None:
-    """Post-local SGD needs a model averaging period, and the period needs post-local SGD."""
-    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
-
-    local_sgd = isinstance(state, PostLocalSGDState)
-    if local_sgd and period is None:
-        raise ValueError(
-            "ddp_comm_state is a PostLocalSGDState, so the ranks step on local gradients "
-            "after start_localSGD_iter; pass model_averaging_period=N to average the "
-            "parameters every N steps"
-        )
-    if period is not None and not local_sgd:
-        raise ValueError(
-            f"model_averaging_period={period} applies to post-local SGD only; pass "
-            "ddp_comm_state=PostLocalSGDState(...) and ddp_comm_hook=post_localSGD_hook"
-        )
-    if period is not None and (
-        isinstance(period, bool) or not isinstance(period, int) or period < 1
-    ):
-        raise ValueError(f"model_averaging_period must be a positive integer, got {period!r}")
-
-
-def _destroy_at_exit(group: dist.ProcessGroup | None) -> None:
-    global _created_group
-    if _created_group is None:
-        atexit.register(_destroy_created_group)
-    _created_group = group
-
-
-def _destroy_created_group() -> None:
-    global _created_group
-    group, _created_group = _created_group, None
-    if group is not None and dist.is_initialized() and dist.group.WORLD is group:
-        dist.destroy_process_group()
 
 
 BucketDDP.register_strategies(StrategyRegistry)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +31,57 @@ ADDED_PER_STEP = 3  # lightning_models.ADDED_PER_STEP, without importing Lightni
 
 
 # ------------------------------------------------------------------ in-process checks
-def test_registered_names_construct_the_strategy() -> None:
+# Lightning's DDP names, each with the start method and find_unused_parameters it means.
+TRAINER_DDP_NAMES = {
+    f"{start}{suffix}": (method, unused)
+    for start, method in [
+        ("ddp", "popen"),
+        ("ddp_spawn", "spawn"),
+        ("ddp_fork", "fork"),
+        ("ddp_notebook", "fork"),
+    ]
+    for suffix, unused in [
+        ("", False),
+        ("_find_unused_parameters_true", True),
+        ("_find_unused_parameters_false", False),
+    ]
+}
+FABRIC_DDP_NAMES = {
+    name: TRAINER_DDP_NAMES[name]
+    for name in ["ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true"]
+}
+
+
+def test_every_ddp_name_has_a_twin_with_its_meaning() -> None:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
     from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import DDPStrategy as TrainerDDP
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from bucketddp import BucketDDP
+    from bucketddp import BucketDDP, BucketFabricDDP
 
-    expected = {
-        "bucket_ddp": ("popen", False),
-        "bucket_ddp_spawn": ("spawn", False),
-        "bucket_ddp_find_unused_parameters_true": ("popen", True),
-    }
-    for name, (start_method, unused) in expected.items():
-        assert name in StrategyRegistry
-        strategy = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False).strategy
-        assert type(strategy) is BucketDDP
-        assert strategy._start_method == start_method
-        assert strategy._ddp_kwargs["find_unused_parameters"] is unused
+    # The tables above are Lightning's own lists of DDP names, and what they mean.
+    assert {n for n in StrategyRegistry if StrategyRegistry[n]["strategy"] is TrainerDDP} == set(
+        TRAINER_DDP_NAMES
+    )
+    assert {n for n in STRATEGY_REGISTRY if STRATEGY_REGISTRY[n]["strategy"] is DDPStrategy} == (
+        set(FABRIC_DDP_NAMES)
+    )
+    for name, (start_method, unused) in TRAINER_DDP_NAMES.items():
+        for twin, built in [(name, TrainerDDP), (f"bucket_{name}", BucketDDP)]:
+            strategy = Trainer(strategy=twin, accelerator="cpu", devices=2, logger=False).strategy
+            assert type(strategy) is built, twin
+            assert strategy._start_method == start_method, twin
+            assert strategy._ddp_kwargs.get("find_unused_parameters", False) is unused, twin
+    for name, (start_method, unused) in FABRIC_DDP_NAMES.items():
+        for twin, built in [(name, DDPStrategy), (f"bucket_{name}", BucketFabricDDP)]:
+            strategy = Fabric(strategy=twin, accelerator="cpu", devices=2).strategy
+            assert type(strategy) is built, twin
+            assert strategy._start_method == start_method, twin
+            assert strategy._ddp_kwargs.get("find_unused_parameters", False) is unused, twin
+    bucket = Fabric(strategy="bucket_ddp_find_unused_parameters_true", devices=2).strategy
+    assert bucket.engine_options.find_unused_parameters is True
 
 
 def test_options_pass_through_and_bad_ones_fail_early() -> None:
@@ -126,8 +161,20 @@ def test_sync_batchnorm_uses_our_layer_sync_plugin() -> None:
         return trainer.strategy._layer_sync
 
     assert layer_sync(strategy=BucketDDP()) is None
-    assert isinstance(layer_sync(strategy=BucketDDP(), sync_batchnorm=True), BucketSyncBatchNorm)
     assert isinstance(layer_sync(strategy=BucketDDP(sync_batchnorm=True)), BucketSyncBatchNorm)
+    # Lightning's TorchSyncBatchNorm, from the Trainer's flag or given explicitly, reaches
+    # the strategy alike: it is replaced by ours, with a warning that says why...
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+
+    why = "torch.nn.SyncBatchNorm refuses CPU tensors in training"
+    for kwargs in [{"sync_batchnorm": True}, {"plugins": [TorchSyncBatchNorm()]}]:
+        with pytest.warns(UserWarning, match=why):
+            assert isinstance(layer_sync(strategy=BucketDDP(), **kwargs), BucketSyncBatchNorm)
+    # ...unless the strategy was asked for SyncBatchNorm itself.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plugin = layer_sync(strategy=BucketDDP(sync_batchnorm=True), sync_batchnorm=True)
+    assert isinstance(plugin, BucketSyncBatchNorm)
 
     class Mine(LayerSync):
         def apply(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -148,6 +195,9 @@ IMPORT_CHECKS = {
         assert {"bucket_ddp", "bucket_ddp_spawn",
                 "bucket_ddp_find_unused_parameters_true"} <= set(StrategyRegistry)
         assert type(Trainer(strategy="bucket_ddp", logger=False).strategy) is bucketddp.BucketDDP
+        from lightning.fabric import Fabric
+        fabric = Fabric(strategy="bucket_ddp_notebook", accelerator="cpu", devices=2)
+        assert type(fabric.strategy) is bucketddp.BucketFabricDDP
         # The import hook leaves Lightning's own loader in place, and removes itself.
         import lightning.pytorch as lp
         assert "Registering" not in type(lp.__loader__).__name__
@@ -158,18 +208,30 @@ IMPORT_CHECKS = {
         import bucketddp
         from lightning.pytorch.strategies import StrategyRegistry
         assert "bucket_ddp_spawn" in StrategyRegistry
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+        assert "bucket_ddp_fork" in STRATEGY_REGISTRY
+    """,
+    "bucketddp.fabric first": """
+        import sys
+        from bucketddp.fabric import BucketFabricDDP
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+        from lightning.pytorch.strategies import StrategyRegistry
+        assert STRATEGY_REGISTRY["bucket_ddp"]["strategy"] is BucketFabricDDP
+        assert "bucket_ddp_notebook" in StrategyRegistry
+        assert not [f for f in sys.meta_path if "Lightning" in type(f).__name__]
     """,
     "without lightning": """
         import sys
         sys.modules["lightning"] = None  # as if Lightning were not installed
         import torch, bucketddp
         assert bucketddp.BucketDataParallel and bucketddp.convert_sync_batchnorm
-        try:
-            bucketddp.BucketDDP
-        except ImportError as err:
-            assert "pip install" in str(err), err
-        else:
-            raise AssertionError("BucketDDP without Lightning should raise ImportError")
+        for name in ("BucketDDP", "BucketFabricDDP"):
+            try:
+                getattr(bucketddp, name)
+            except ImportError as err:
+                assert "pip install" in str(err), err
+            else:
+                raise AssertionError(f"{name} without Lightning should raise ImportError")
     """,
 }
 

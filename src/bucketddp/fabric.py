@@ -1,0 +1,306 @@
+"""BucketFabricDDP: the Fabric strategy, a drop-in for ``Fabric(strategy="ddp")``.
+
+It is Fabric's own ``DDPStrategy`` (launchers, cluster environments, process group set-up,
+collectives and checkpoint IO are inherited) with one change of wrapper: ``fabric.setup``
+wraps the model in ``BucketDataParallel`` instead of torch's ``DistributedDataParallel``.
+What follows from the change lives here too:
+
+- ``fabric.no_backward_sync(model)`` accumulates through ``BucketDataParallel.no_sync``;
+- ``sync_batchnorm`` converts BatchNorm layers to ``bucketddp.SyncBatchNorm`` at setup;
+- a communication hook is registered on every accelerator; with post-local SGD the
+  parameters are averaged after every ``model_averaging_period`` optimizer steps;
+- ``fabric.save`` syncs buffers by their policies and writes the module without the
+  wrapper, with the learned bucket order under ``checkpoint["bucketddp"]``, which
+  ``fabric.load`` takes back out and adopts.
+
+Besides ``strategy.py``, this is the only module of the package that imports Lightning.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from .buffers import Policy
+from .options import DEFAULT_STALL_TIMEOUT, EngineOptions
+from .parallel import BucketDataParallel
+from .strategy_common import (
+    CHECKPOINT_KEY,
+    StrategyOptions,
+    destroy_at_exit,
+    is_post_local_sgd,
+    register_twins,
+)
+from .syncbn import convert_sync_batchnorm
+
+# Private Lightning names this module depends on, listed in one place so that a Lightning
+# release that changes one is found here first:
+# - ``_BackwardSyncControl`` (imported above): the interface of ``fabric.no_backward_sync``,
+#   set on the strategy as ``_backward_sync_control``;
+# - ``_StrategyRegistry`` (below, for an annotation only);
+# - DDPStrategy's ``_setup_distributed`` (the hook that creates the process group) and
+#   ``_determine_ddp_device_ids``, overridden or called below.
+if TYPE_CHECKING:
+    from lightning.fabric.accelerators import Accelerator
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+__all__ = ["BucketFabricDDP"]
+
+log = logging.getLogger(__name__)
+
+UNUSED_HINT = (
+    "Pass BucketFabricDDP(find_unused_parameters=True), or "
+    'Fabric(strategy="bucket_ddp_find_unused_parameters_true")'
+)
+"""How the error about parameters without a gradient names the strategy's option."""
+
+
+class BucketFabricDDP(DDPStrategy):
+    """Fabric's DDP strategy with bucketddp's gradient reducer and buffer policies.
+
+    ``Fabric(strategy=BucketFabricDDP())`` runs like ``Fabric(strategy="ddp")``, with the
+    same launchers and cluster environments, and ``fabric.setup(model)`` returns the model
+    wrapped in ``BucketDataParallel``: its reducer, a sync policy per buffer (from
+    ``buffer_sync`` or the module's ``configure_buffer_sync()``) and, with
+    ``sync_batchnorm=True``, a SyncBatchNorm that works on CPU.
+
+    Args:
+        bucket_cap_mb, first_bucket_mb, find_unused_parameters, gradient_as_bucket_view,
+        broadcast_buffers, buffer_sync, default_buffer_policy, static_graph, init_sync,
+        forward_sync_buffers, watchdog, stall_timeout: the engine options, as
+            ``BucketDataParallel`` takes them; see ``bucketddp.options.EngineOptions`` for
+            each, and ``docs/reliability.md`` for the last two.
+        sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm`` in
+            ``fabric.setup`` (in place: the model keeps its parameters).
+        ddp_comm_hook: a communication hook, ``hook(state, bucket) -> Future``, registered
+            on the wrapper on every accelerator, CPU included; for example
+            ``default_hooks.fp16_compress_hook``.
+        ddp_comm_state: the hook's state, e.g. a ``PowerSGDState``, or a
+            ``PostLocalSGDState`` for post-local SGD (with ``model_averaging_period``).
+        ddp_comm_wrapper: applied to the hook, e.g. ``default_hooks.fp16_compress_wrapper``.
+        model_averaging_period: post-local SGD: average the parameters over all ranks every
+            this many optimizer steps once local SGD has started. Required with a
+            ``PostLocalSGDState``, refused without one.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
+        process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
+
+    Raises:
+        TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm``
+            other than True or False.
+        ValueError: a bad engine option (see ``EngineOptions``), a hook state or wrapper
+            without a hook, or a ``model_averaging_period`` that is missing with a
+            ``PostLocalSGDState``, given without one, or not a positive integer.
+    """
+
+    def __init__(
+        self,
+        *,
+        # The engine options (EngineOptions), ...
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        bucket_cap_mb: float | None = 25.0,
+        first_bucket_mb: float | None = 1.0,
+        gradient_as_bucket_view: bool = True,
+        init_sync: bool = True,
+        buffer_sync: Mapping[str, Policy] | None = None,
+        default_buffer_policy: Policy | None = None,
+        broadcast_buffers: bool | None = None,
+        forward_sync_buffers: bool | None = None,
+        watchdog: bool = True,
+        stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
+        # ... SyncBatchNorm and communication hooks, as BucketDDP takes them, ...
+        sync_batchnorm: bool = False,
+        ddp_comm_hook: Callable[..., Any] | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_wrapper: Callable[..., Any] | None = None,
+        model_averaging_period: int | None = None,
+        # ... and the rest of Fabric's DDPStrategy.
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[Any] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self._options = StrategyOptions.from_arguments(locals(), UNUSED_HINT)
+        # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``: ours, checked,
+        # for code that reads them there; ``setup_module`` passes the options themselves.
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **self.engine_options.keywords(),
+        )
+        self._backward_sync_control = _BucketBackwardSyncControl()
+        self._averager: PeriodicModelAverager | None = None
+
+    @property
+    def engine_options(self) -> EngineOptions:
+        """The options every module set up with this strategy is wrapped with."""
+        return self._options.engine
+
+    # ------------------------------------------------------------------ process group
+    @override
+    def _setup_distributed(self) -> None:
+        existed = dist.is_available() and dist.is_initialized()
+        super()._setup_distributed()
+        if not existed and dist.is_initialized():
+            destroy_at_exit(dist.group.WORLD)
+
+    # ------------------------------------------------------------------- wrapping
+    @override
+    def setup_module(self, module: Module) -> BucketDataParallel:  # type: ignore[override]
+        """Convert BatchNorm if asked, wrap ``module`` in ``BucketDataParallel`` with this
+        strategy's options and register the communication hook."""
+        if self._options.sync_batchnorm:
+            module = convert_sync_batchnorm(module)
+        log.debug(
+            "BucketFabricDDP: wrapping the model in BucketDataParallel(%s)", self.engine_options
+        )
+        wrapped = BucketDataParallel(
+            module, device_ids=self._determine_ddp_device_ids(), options=self.engine_options
+        )
+        if self._options.comm_hook is not None:
+            wrapped.register_comm_hook(*self._options.comm_hook)
+        if self._options.averaging is not None and self._averager is None:
+            self._averager = _averager(*self._options.averaging)
+        return wrapped
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step, then, under post-local SGD, average the parameters when due."""
+        output = super().optimizer_step(optimizer, **kwargs)
+        if self._averager is not None:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            self._averager.average_parameters(iter(params))
+        return output
+
+    # ---------------------------------------------------------------- checkpoints
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        """The module's state dict without the wrapper's prefix, buffers synced first.
+
+        ``fabric.save`` runs on every rank, so the sync is a collective like any other;
+        ``"none"`` buffers are written from rank 0's copy, as rank 0 writes the file.
+        """
+        if isinstance(module, BucketDataParallel):
+            module.sync_buffers()
+            module = module.module
+        return super().get_module_state_dict(module)
+
+    @override
+    def load_module_state_dict(
+        self, module: Module, state_dict: dict[str, Any], strict: bool = True
+    ) -> None:
+        """Load into the module inside the wrapper (its keys have no ``module.`` prefix)."""
+        if isinstance(module, BucketDataParallel):
+            module = module.module
+        super().load_module_state_dict(module, state_dict, strict=strict)
+
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save ``state``, with the learned bucket order under ``checkpoint["bucketddp"]``
+        when it holds one model of this strategy."""
+        order = _one_wrapper(state, lambda w: w.bucket_order)
+        if order is not None and CHECKPOINT_KEY not in state:
+            state = {**state, CHECKPOINT_KEY: {"bucket_order": order}}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``state``; a model of this strategy in it adopts the saved bucket order.
+
+        The order entry is taken out of what is returned, so the remainder holds what the
+        user saved.
+        """
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        saved = remainder.get(CHECKPOINT_KEY)
+        if not (isinstance(saved, dict) and "bucket_order" in saved):
+            return remainder  # no entry of ours (a key of the user's own is left alone)
+        order = remainder.pop(CHECKPOINT_KEY)["bucket_order"]
+        if isinstance(state, dict):
+            adopted = _one_wrapper(state, lambda w: w.load_bucket_order(order))
+            if adopted is False:
+                log.debug(
+                    "BucketFabricDDP: the checkpoint's bucket order names other parameters "
+                    "than the model has; the order is learned again in the first backward"
+                )
+        return remainder
+
+    # ------------------------------------------------------------------- registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register a bucket twin of each DDP name Fabric registers ("bucket_ddp",
+        "bucket_ddp_spawn", "bucket_ddp_fork", "bucket_ddp_notebook" and
+        "bucket_ddp_find_unused_parameters_true")."""
+        register_twins(cls, strategy_registry, "fabric")
+
+
+class _BucketBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: ``BucketDataParallel.no_sync``."""
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        """Accumulate gradients locally while ``enabled``; forward and backward go inside."""
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, BucketDataParallel):
+            raise TypeError(
+                "fabric.no_backward_sync() needs a model set up by BucketFabricDDP, wrapped in "
+                f"BucketDataParallel; got {type(module).__name__}. Pass the model that "
+                "fabric.setup(model) returned."
+            )
+        return module.no_sync()
+
+
+def _one_wrapper(state: Any, fn: Callable[[BucketDataParallel], Any]) -> Any:
+    """``fn`` of the one ``BucketDataParallel`` among ``state``'s values; None if not one."""
+    if not isinstance(state, dict):
+        return None
+    wrappers = [v for v in state.values() if isinstance(v, BucketDataParallel)]
+    return fn(wrappers[0]) if len(wrappers) == 1 else None
+
+
+def _averager(state: object, period: int) -> PeriodicModelAverager:
+    """Post-local SGD's parameter averager, from the step local SGD starts at."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    assert is_post_local_sgd(state)
+    start = state.start_localSGD_iter  # type: ignore[attr-defined]
+    return PeriodicModelAverager(period=period, warmup_steps=start)
+
+
+BucketFabricDDP.register_strategies(STRATEGY_REGISTRY)
