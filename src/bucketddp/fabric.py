@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -42,6 +44,7 @@ from .strategy_common import (
     is_post_local_sgd,
     register_twins,
 )
+from .strategy_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
 from .syncbn import convert_sync_batchnorm
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
@@ -166,6 +169,19 @@ class BucketFabricDDP(DDPStrategy):
         super()._setup_distributed()
         if not existed and dist.is_initialized():
             destroy_at_exit(dist.group.WORLD)
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        launcher = self._launcher
+        if type(launcher) is _SubprocessScriptLauncher:
+            assert self.cluster_environment is not None
+            self._launcher = WatchedFabricScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        elif type(launcher) is _MultiProcessingLauncher:
+            method = self._start_method  # spawn, fork or forkserver: popen is handled above
+            self._launcher = WatchedFabricProcessLauncher(self, start_method=method)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------- wrapping
     @override

@@ -16,7 +16,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+from lightning.fabric.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher as _FabricProcessLauncher,
+)
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _ChildProcessObserver,
+)
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as _FabricScriptLauncher,
+)
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -35,22 +43,37 @@ class _LateObserver(_ChildProcessObserver):
         super()._terminate_all()
 
 
+def _launch(
+    launcher: _SubprocessScriptLauncher | _FabricScriptLauncher,
+    function: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+) -> Any:
+    """What Lightning's script launchers do, with the children handed to the watchdog."""
+    env = launcher.cluster_environment
+    env.validate_settings(num_devices=launcher.num_processes, num_nodes=launcher.num_nodes)
+    if not env.creates_processes_externally:
+        launcher._call_children_scripts()
+        first = env.node_rank() * launcher.num_processes
+        adopt_children({first + i + 1: proc for i, proc in enumerate(launcher.procs)})
+        _LateObserver(child_processes=launcher.procs, main_pid=os.getpid()).start()
+    _set_num_threads_if_needed(num_processes=launcher.num_processes)
+    return function(*args, **kwargs)
+
+
+def _post(exc: BaseException) -> None:
+    if (dog := current()) is not None:
+        dog.report_exception(exc)
+
+
 class WatchedScriptLauncher(_SubprocessScriptLauncher):
-    """``_SubprocessScriptLauncher`` whose children the watchdog watches (see the module)."""
+    """The Trainer's ``_SubprocessScriptLauncher`` whose children the watchdog watches."""
 
     def launch(
         self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any
     ) -> Any:
         """Start the child scripts, hand them to the watchdog, then call ``function``."""
-        env = self.cluster_environment
-        env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not env.creates_processes_externally:
-            self._call_children_scripts()
-            first = env.node_rank() * self.num_processes
-            adopt_children({first + i + 1: proc for i, proc in enumerate(self.procs)})
-            _LateObserver(child_processes=self.procs, main_pid=os.getpid()).start()
-        _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
+        return _launch(self, function, args, kwargs)
 
     def kill(self, signum: Any) -> None:
         """Signal the children that are still running after a grace period.
@@ -65,7 +88,7 @@ class WatchedScriptLauncher(_SubprocessScriptLauncher):
 
 
 class WatchedProcessLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher; a rank's exception is posted for the others.
+    """The Trainer's spawn/fork launcher; a rank's exception is posted for the others.
 
     Under it an exception in a rank never reaches the strategy's ``on_exception`` in that
     process (the launcher sends it to the main process instead), so it is posted here.
@@ -75,6 +98,24 @@ class WatchedProcessLauncher(_MultiProcessingLauncher):
         try:
             super()._wrapping_function(*args, **kwargs)
         except BaseException as exc:
-            if (dog := current()) is not None:
-                dog.report_exception(exc)
+            _post(exc)
+            raise
+
+
+class WatchedFabricScriptLauncher(_FabricScriptLauncher):
+    """Fabric's ``_SubprocessScriptLauncher`` whose children the watchdog watches."""
+
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Start the child scripts, hand them to the watchdog, then call ``function``."""
+        return _launch(self, function, args, kwargs)
+
+
+class WatchedFabricProcessLauncher(_FabricProcessLauncher):
+    """Fabric's spawn/fork launcher (``fabric.launch(fn)``); a rank's exception is posted."""
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(*args, **kwargs)
+        except BaseException as exc:
+            _post(exc)
             raise
