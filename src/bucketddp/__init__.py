@@ -18,6 +18,7 @@ from .parallel import BucketDataParallel
 from .reducer import CommStats
 
 if TYPE_CHECKING:
+    from .comm_monitor import CommMonitor
     from .fabric import BucketFabricDDP
     from .strategy import BucketDDP
 
@@ -29,6 +30,7 @@ __all__ = [
     "BucketDataParallel",
     "BucketFabricDDP",
     "BucketPlan",
+    "CommMonitor",
     "CommStats",
     "RankFailedError",
     "RankStalledError",
@@ -52,6 +54,10 @@ def __getattr__(name: str) -> Any:
                 f"bucketddp.{name} needs Lightning: pip install 'bucketddp[lightning]'"
             ) from err
         return getattr(module, name)
+    if name == "CommMonitor":
+        from .comm_monitor import CommMonitor
+
+        return CommMonitor
     if name in ("SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"):
         from . import syncbn
 

@@ -56,6 +56,8 @@ class EngineOptions:
             match.
         forward_sync_buffers: torch DDP 2.13's successor of ``broadcast_buffers``: False
             stops syncing buffers before each forward, but they still start from rank 0.
+        telemetry: record when each bucket was ready, launched, completed and waited for,
+            in ``comm_stats`` (``docs/telemetry.md``). False keeps the step totals only.
         watchdog: run the per-process watchdog (``docs/reliability.md``): an exception or
             a death on one rank ends every rank within seconds, naming that rank.
         stall_timeout: seconds a rank may wait in a collective of the engine's (or the
@@ -84,6 +86,7 @@ class EngineOptions:
     static_graph: bool = False
     init_sync: bool = True
     forward_sync_buffers: bool | None = None
+    telemetry: bool = True
     watchdog: bool = True
     stall_timeout: float | None = DEFAULT_STALL_TIMEOUT
     unused_hint: str = "Pass find_unused_parameters=True"
@@ -97,6 +100,7 @@ class EngineOptions:
             init_sync=self.init_sync,
             forward_sync_buffers=self.forward_sync_buffers,
             watchdog=self.watchdog,
+            telemetry=self.telemetry,
         )
         check_stall_timeout(self.stall_timeout)
         cap, first = check_bucket_sizes(self.bucket_cap_mb, self.first_bucket_mb)

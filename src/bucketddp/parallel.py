@@ -95,6 +95,7 @@ class BucketDataParallel(nn.Module, Joinable):
         static_graph: bool = False,
         init_sync: bool = True,
         forward_sync_buffers: bool | None = None,
+        telemetry: bool = True,
         watchdog: bool = True,
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
         device_mesh: Any = None,

@@ -10,6 +10,7 @@ own ``strategy="ddp"`` on the same seed, and, for resume, the run that never sto
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -366,6 +367,29 @@ def test_backbone_finetuning_matches_one_process(
 def lifecycle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("lifecycle")
     return out, scenario("lifecycle", out)
+
+
+def test_comm_monitor_logs_consistent_figures_through_the_csv_logger(
+    lifecycle: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    r0 = lifecycle[1][0]
+    # Lightning writes a value logged in a step on the step's row and the next one's too.
+    logged = {
+        tuple(sorted((k, v) for k, v in r.items() if k.startswith("comm/"))) for r in r0["comm_csv"]
+    }
+    rows = [dict(r) for r in logged if dict(r).get("comm/total_ms")]
+    assert len(rows) == 3  # steps 2-3, 4-5 and 6-7: the first step only starts the clock
+    planned = int(re.search(r"gradient_bytes: (\d+)", r0["comm_hparams"]).group(1))
+    assert "bucketddp/plan:" in r0["comm_hparams"]
+    for row in rows:
+        f = {k: float(v) for k, v in row.items() if k.startswith("comm/") and v}
+        assert 0 <= f["comm/exposed_wait_ms"] <= f["comm/total_ms"] + 2.0
+        assert f["comm/total_ms"] <= f["comm/step_ms"]
+        assert 0 <= f["comm/hidden_ms"] <= f["comm/total_ms"]
+        assert f["comm/buckets"] == 1  # BoringModel: one layer
+        # The plan's gradients, and the agreement row that rides on the last bucket.
+        assert planned <= f["comm/bytes"] <= planned + 4096
+        assert f["comm/bytes_per_s"] > 0
 
 
 def test_fit_wraps_and_teardown_unwraps(lifecycle: tuple[Path, list[dict[str, Any]]]) -> None:

@@ -11,6 +11,7 @@ Trainers one after another in the same processes, so that one launch checks many
 
 from __future__ import annotations
 
+import csv
 import functools
 import logging
 import os
@@ -22,6 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
 
@@ -327,6 +329,23 @@ def lifecycle(out: Path) -> dict[str, Any]:
         result["unused_error"] = None
     except RuntimeError as err:
         result["unused_error"] = str(err)
+
+    # 9. CommMonitor logs the communication figures through a CSVLogger, every 2 steps.
+    logger = CSVLogger(out / "csv", name="comm", version=0)
+    monitor = bucketddp.CommMonitor(every_n_steps=2)
+    _fit(
+        BucketDDP(bucket_cap_mb=0.002, first_bucket_mb=0.0005),
+        Boring,
+        max_steps=7,
+        limit_val_batches=0,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[monitor],
+    )
+    if trainer.global_rank == 0:
+        with open(Path(logger.log_dir) / "metrics.csv") as f:
+            result["comm_csv"] = list(csv.DictReader(f))
+        result["comm_hparams"] = (Path(logger.log_dir) / "hparams.yaml").read_text()
 
     result["rank"] = trainer.global_rank
     return result

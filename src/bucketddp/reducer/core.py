@@ -41,6 +41,7 @@ from .requires_grad import RequiresGradWatch, reduce_joined
 from .state import BufferLayout, ReducerState
 from .stats import CommStats
 from .storage import Bucket
+from .timing import NoClock, StepClock
 
 if TYPE_CHECKING:
     from ..options import EngineOptions
@@ -83,6 +84,7 @@ class Reducer(ReducerState):
         self.caps = cap_bytes(options.bucket_cap_mb), cap_bytes(options.first_bucket_mb)
         self.static_graph = options.static_graph
         self.launcher: Launcher = AllReduceLauncher(process_group)
+        self.clock = StepClock() if options.telemetry else NoClock()
         # One rank has nothing to reduce: no storage, and the hooks only check (unless a
         # communication hook is registered).
         self.communicates = self.world_size > 1
@@ -154,6 +156,7 @@ class Reducer(ReducerState):
         """One gradient of ``bucket`` fewer to wait for; launch what is due once it is full."""
         bucket.pending -= 1
         if bucket.pending == 0:
+            bucket.ready_at = time.perf_counter()
             self.launch_ready()
 
     def fill_slot(self, i: int, grad: torch.Tensor | None) -> torch.Tensor:
@@ -201,6 +204,7 @@ class Reducer(ReducerState):
             if bucket.row is not None:  # the last bucket: what rides on it goes first
                 self._before_last()
             bucket.work = self.launcher.launch(self._next, bucket)
+            self.clock.launched(self._next, bucket.work)
             self._next += 1
 
     # ------------------------------------------------------------- end of backward
@@ -238,12 +242,13 @@ class Reducer(ReducerState):
                 self.fill_slot(i, self.params[i].grad)
             self.bucket_of[i].pending -= 1
         self.launch_ready()
-        start = time.perf_counter()
+        start = self.clock.wait_begins()
         if self.sparse is not None:
             self.sparse.wait()
         self.launcher.wait_all(self.buckets)
         sparse = self.sparse
-        self.stats = CommStats(
+        self.stats = self.clock.stats(
+            self.buckets,
             collectives=len(self.buckets) + len(self.unslotted) + self.launcher.extra_collectives,
             bytes_reduced=self.storage.nbytes + (sparse.nbytes() if sparse is not None else 0),
             wait_seconds=time.perf_counter() - start,

@@ -7,6 +7,7 @@ row after the gradients (see ``agreement.py``).
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -33,9 +34,11 @@ class Bucket:
         "own_tensors",
         "params",
         "pending",
+        "ready_at",
         "row",
         "scale",
         "storage",
+        "waited_at",
         "work",
         "written",
     )
@@ -59,6 +62,10 @@ class Bucket:
         self.pending = self.expected
         # The all-reduce of the storage, or with a communication hook, the hook's future.
         self.work: dist.Work | torch.futures.Future[Any] | None = None
+        # When its last gradient arrived and when the end of backward was done waiting for
+        # it, in time.perf_counter() seconds (see timing.py).
+        self.ready_at = 0.0
+        self.waited_at = 0.0
         # How many tensors the reducer itself holds on the storage (see kept_grads.py), and
         # whether a slot of it was written in this backward yet.
         self.own_tensors = 0
@@ -79,6 +86,7 @@ class Bucket:
         if self.work is not None:
             value = self.work.wait()
             self.work = None
+            self.waited_at = time.perf_counter()
         return value
 
 
