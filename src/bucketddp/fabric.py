@@ -114,8 +114,8 @@ class BucketFabricDDP(DDPStrategy):
         # The engine options (EngineOptions), ...
         find_unused_parameters: bool = False,
         static_graph: bool = False,
-        bucket_cap_mb: float | None = 25.0,
-        first_bucket_mb: float | None = 1.0,
+        bucket_cap_mb: float | str | None = 25.0,
+        first_bucket_mb: float | str | None = 1.0,
         gradient_as_bucket_view: bool = True,
         init_sync: bool = True,
         buffer_sync: Mapping[str, Policy] | None = None,

@@ -19,6 +19,7 @@ from .buffers.policies import Policy, check_policy, check_rules
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's, also what its bucket_cap_mb=None means
 DEFAULT_FIRST_BUCKET_MB = 1.0  # torch DDP's first bucket with its default cap
+AUTO = "auto"  # a bucket size tuned on the first steps
 DEFAULT_STALL_TIMEOUT = 600.0  # seconds; under the process-group timeouts (30 min by default)
 _OPTIONAL_SWITCHES = frozenset({"broadcast_buffers", "forward_sync_buffers"})
 
@@ -32,9 +33,10 @@ class EngineOptions:
 
     Attributes:
         bucket_cap_mb: a bucket is launched once it holds this many MB of gradients (None:
-            25, torch DDP's default, as there).
+            25, torch DDP's default, as there; "auto": tuned on the first steps).
         first_bucket_mb: the cap of the first bucket, kept small so that communication
-            starts early in backward (None: 1, torch DDP's with its default cap).
+            starts early in backward (None: 1, torch DDP's with its default cap; "auto":
+            tuned on the first steps).
         find_unused_parameters: allow parameters that get no gradient in a step (control
             flow, frozen branches). Without it such a step raises an error naming them.
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket, saving
@@ -75,8 +77,8 @@ class EngineOptions:
             contradict each other, or an unknown default policy name.
     """
 
-    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
-    first_bucket_mb: float = DEFAULT_FIRST_BUCKET_MB
+    bucket_cap_mb: float | str = DEFAULT_BUCKET_CAP_MB
+    first_bucket_mb: float | str = DEFAULT_FIRST_BUCKET_MB
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool | None = None
@@ -158,6 +160,23 @@ class EngineOptions:
         return options
 
     @property
+    def bucket_sizes(self) -> tuple[float, float]:
+        """Both bucket sizes in MB, with torch DDP's defaults where they are tuned."""
+        cap, first = self.bucket_cap_mb, self.first_bucket_mb
+        return (
+            DEFAULT_BUCKET_CAP_MB if isinstance(cap, str) else cap,
+            DEFAULT_FIRST_BUCKET_MB if isinstance(first, str) else first,
+        )
+
+    @property
+    def tuned_sizes(self) -> tuple[float | None, float | None] | None:
+        """(cap, first) with None for each size to tune, or None if neither is."""
+        cap, first = self.bucket_cap_mb, self.first_bucket_mb
+        if not (isinstance(cap, str) or isinstance(first, str)):
+            return None
+        return (None if isinstance(cap, str) else cap, None if isinstance(first, str) else first)
+
+    @property
     def buffer_policy_default(self) -> Policy:
         """The policy of buffers no rule names, from the three buffer options together."""
         return buffer_default(
@@ -228,12 +247,13 @@ def check_stall_timeout(value: object) -> None:
 
 
 def check_bucket_sizes(
-    bucket_cap_mb: float | None, first_bucket_mb: float | None
-) -> tuple[float, float]:
-    """Check both bucket sizes and return them in MB.
+    bucket_cap_mb: float | str | None, first_bucket_mb: float | str | None
+) -> tuple[float | str, float | str]:
+    """Check both bucket sizes and return them in MB, or ``"auto"``.
 
     ``None`` means the default: 25 MB for ``bucket_cap_mb`` (as torch DDP's None does) and
-    1 MB for ``first_bucket_mb``.
+    1 MB for ``first_bucket_mb``. ``"auto"`` means tuned on the first steps
+    (``docs/bucket-sizes.md``).
 
     Raises:
         TypeError: a size that is not a number.
@@ -241,18 +261,23 @@ def check_bucket_sizes(
     """
     cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
     first = DEFAULT_FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
+    out: list[float | str] = []
     for name, value, default in (
         ("bucket_cap_mb", cap, DEFAULT_BUCKET_CAP_MB),
         ("first_bucket_mb", first, DEFAULT_FIRST_BUCKET_MB),
     ):
+        if value == AUTO and isinstance(value, str):
+            out.append(AUTO)
+            continue
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(
-                f"{name} must be a number of megabytes (the default is {default}), got "
-                f"{type(value).__name__} {value!r}"
+                f'{name} must be a number of megabytes or "auto" (the default is {default}), '
+                f"got {type(value).__name__} {value!r}"
             )
         if not 0 < value < math.inf:
             raise ValueError(f"{name} must be a positive, finite number of megabytes, got {value}")
-    return float(cap), float(first)
+        out.append(float(value))
+    return out[0], out[1]
 
 
 def buffer_default(

@@ -83,8 +83,8 @@ class BucketDataParallel(nn.Module, Joinable):
         module: nn.Module,
         *,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = 25.0,
-        first_bucket_mb: float | None = 1.0,
+        bucket_cap_mb: float | str | None = 25.0,
+        first_bucket_mb: float | str | None = 1.0,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         broadcast_buffers: bool | None = None,
@@ -399,6 +399,24 @@ class BucketDataParallel(nn.Module, Joinable):
     def bucket_order(self) -> list[str] | None:
         """The learned gradient-ready order (for checkpoints), or None if not learned yet."""
         return self.reducer.learned_order
+
+    @property
+    def tuned_bucket_sizes(self) -> tuple[float, float] | None:
+        """With ``"auto"`` bucket sizes: the (bucket_cap_mb, first_bucket_mb) chosen, once
+        tuning is over (``BucketDDP`` stores them in checkpoints); None before or without."""
+        tuner = self.reducer.tuner
+        return tuner.choice if tuner is not None else None
+
+    def load_bucket_sizes(self, bucket_cap_mb: float, first_bucket_mb: float) -> bool:
+        """Use bucket sizes chosen before by ``"auto"`` (a checkpoint's), skipping tuning.
+
+        Returns False, and changes nothing, if this wrapper's sizes are not ``"auto"``.
+        """
+        tuner = self.reducer.tuner
+        if tuner is None:
+            return False
+        tuner.adopt(float(bucket_cap_mb), float(first_bucket_mb))
+        return True
 
     def load_bucket_order(self, order: Sequence[str]) -> bool:
         """Adopt a learned order from a checkpoint; False if the parameter set differs."""

@@ -144,8 +144,8 @@ class BucketDDP(DDPStrategy):
         # The engine options (EngineOptions), ...
         find_unused_parameters: bool = False,
         static_graph: bool = False,
-        bucket_cap_mb: float | None = 25.0,
-        first_bucket_mb: float | None = 1.0,
+        bucket_cap_mb: float | str | None = 25.0,
+        first_bucket_mb: float | str | None = 1.0,
         gradient_as_bucket_view: bool = True,
         init_sync: bool = True,
         buffer_sync: Mapping[str, Policy] | None = None,
@@ -194,9 +194,9 @@ class BucketDDP(DDPStrategy):
             **self._engine_options.keywords(),
         )
         # The order from a loaded checkpoint, until the wrapper adopts it.
-        self._saved_bucket_order: list[str] | None = None
+        self._saved_plan: dict[str, Any] | None = None
         # The order the last fit learned, for checkpoints saved after fit.
-        self._learned_bucket_order: list[str] | None = None
+        self._learned_plan: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ SyncBatchNorm
     # The accelerator connector assigns ``strategy._layer_sync`` after construction: Lightning's
@@ -282,10 +282,10 @@ class BucketDDP(DDPStrategy):
         if self._comm_hook is not None:
             wrapped.register_comm_hook(*self._comm_hook)
         self.model = wrapped
-        self._learned_bucket_order = None
-        order, self._saved_bucket_order = self._saved_bucket_order, None
-        if order is not None:
-            _adopt_bucket_order(wrapped, order)
+        self._learned_plan = None
+        entry, self._saved_plan = self._saved_plan, None
+        if entry:
+            _adopt_plan(wrapped, entry)
 
     @property
     def _wrapped(self) -> BucketDataParallel | None:
@@ -352,11 +352,12 @@ class BucketDDP(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Add the learned bucket order under ``checkpoint["bucketddp"]`` and save on rank 0."""
+        """Add the learned bucket order (and tuned bucket sizes) under
+        ``checkpoint["bucketddp"]`` and save on rank 0."""
         wrapped = self._wrapped
-        order = wrapped.bucket_order if wrapped is not None else self._learned_bucket_order
-        if order is not None:
-            checkpoint[CHECKPOINT_KEY] = {"bucket_order": order}
+        entry = _plan_entry(wrapped) if wrapped is not None else self._learned_plan
+        if entry:
+            checkpoint[CHECKPOINT_KEY] = entry
         with PROGRESS.during(CHECKPOINT, str(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -367,16 +368,16 @@ class BucketDDP(DDPStrategy):
         Lightning loads before ``setup``, so the order is kept until ``configure_ddp`` wraps
         the model; a load into an already wrapped model adopts it at once.
         """
-        order = (checkpoint.get(CHECKPOINT_KEY) or {}).get("bucket_order")
+        entry = dict(checkpoint.get(CHECKPOINT_KEY) or {})
         super().load_model_state_dict(checkpoint, strict=strict)
         wrapped = self._wrapped
         if wrapped is None:
-            self._saved_bucket_order = order
+            self._saved_plan = entry
             return
         # The loaded "sum" buffers are the agreed totals from here on.
         wrapped.buffers_sync.reset_baseline()
-        if order is not None:
-            _adopt_bucket_order(wrapped, order)
+        if entry:
+            _adopt_plan(wrapped, entry)
 
     # -------------------------------------------------------------------- teardown
     @override
@@ -384,10 +385,10 @@ class BucketDDP(DDPStrategy):
         """Unwrap the model and remove the reducer's hooks, so the user's module is plain;
         DDPStrategy's teardown then reverts SyncBatchNorm and moves the model to CPU."""
         if (wrapped := self._wrapped) is not None:
-            self._learned_bucket_order = wrapped.bucket_order
+            self._learned_plan = _plan_entry(wrapped)
             wrapped.remove_hooks()
             self.model = self.lightning_module
-        self._saved_bucket_order = None
+        self._saved_plan = None
         super().teardown()
 
     # ------------------------------------------------------------------- registry
@@ -397,6 +398,23 @@ class BucketDDP(DDPStrategy):
         """Register a bucket twin of each DDP name the Trainer registers ("bucket_ddp",
         "bucket_ddp_notebook", "bucket_ddp_spawn_find_unused_parameters_true", ...)."""
         register_twins(cls, strategy_registry, "trainer")
+
+
+def _plan_entry(wrapped: BucketDataParallel) -> dict[str, Any]:
+    """What a checkpoint keeps of the plan: the learned order and tuned bucket sizes."""
+    entry: dict[str, Any] = {}
+    if (order := wrapped.bucket_order) is not None:
+        entry["bucket_order"] = order
+    if (sizes := wrapped.tuned_bucket_sizes) is not None:
+        entry["bucket_sizes"] = list(sizes)
+    return entry
+
+
+def _adopt_plan(wrapped: BucketDataParallel, entry: Mapping[str, Any]) -> None:
+    if (sizes := entry.get("bucket_sizes")) is not None and wrapped.load_bucket_sizes(*sizes):
+        rank_zero_debug(f"BucketDDP: bucket sizes {sizes} from the checkpoint (no tuning)")
+    if (order := entry.get("bucket_order")) is not None:
+        _adopt_bucket_order(wrapped, order)
 
 
 def _adopt_bucket_order(wrapped: BucketDataParallel, order: list[str]) -> None:

@@ -42,6 +42,7 @@ from .state import BufferLayout, ReducerState
 from .stats import CommStats
 from .storage import Bucket
 from .timing import NoClock, StepClock
+from .tuning import BucketTuner
 
 if TYPE_CHECKING:
     from ..options import EngineOptions
@@ -81,7 +82,9 @@ class Reducer(ReducerState):
         self.gradient_as_bucket_view = options.gradient_as_bucket_view
         self.unused_hint = options.unused_hint
         self.buffer_layout = buffer_layout
-        self.caps = cap_bytes(options.bucket_cap_mb), cap_bytes(options.first_bucket_mb)
+        self.caps = cap_bytes(options.bucket_sizes[0]), cap_bytes(options.bucket_sizes[1])
+        tuned = options.tuned_sizes
+        self.tuner = BucketTuner(self, *tuned) if tuned is not None else None
         self.static_graph = options.static_graph
         self.launcher: Launcher = AllReduceLauncher(process_group)
         self.clock = StepClock() if options.telemetry else NoClock()
@@ -274,6 +277,8 @@ class Reducer(ReducerState):
             layout.plan_joined(self, joined)
         elif self.observed is not None:
             adopt_learned_order(self)
+        if self.tuner is not None and not self.tuner.done:
+            self.tuner.after_step(joining=self.training_ranks < self.world_size)
 
     def reset_step(self, *, synced: bool = False) -> None:
         """Ready for the next backward: nothing ready, nothing launched, nothing queued.

@@ -1,0 +1,153 @@
+"""``bucket_cap_mb="auto"``: try bucket sizes on real steps, keep the fastest.
+
+Once the learned order is in place (after the first synced backward), the tuner plans the
+buckets with each candidate size in turn, one synced step each, for ``ROUNDS`` rounds, so
+that a slow drift of the machine hits every candidate alike. A step's figure is the time
+from its first bucket's last gradient to the end of the wait for the last collective
+(from ``comm_stats``): the part of the step the bucket sizes change, without the rebuild
+between steps. Then rank 0 takes the candidate with the lowest median, broadcasts its
+choice (one collective, once), and every rank plans by it from then on.
+
+The steps spent tuning reduce every gradient as any step does: the sizes change when
+communication happens, not what it computes. A ``join()`` context defers the choice (a rank
+that ran out of data would miss the broadcast), so tuning waits for steps outside of one.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ..buckets import MB, cap_bytes
+from ..comm import global_rank
+from . import layout
+from .state import ReducerState
+
+log = logging.getLogger("bucketddp.reducer")
+
+ROUNDS = 3
+"""Synced steps measured per candidate, one per round."""
+DEFAULT = (25.0, 1.0)  # torch DDP's bucket_cap_mb and first_bucket_mb
+
+
+def candidates(
+    gradient_mb: float, cap_mb: float | None, first_mb: float | None
+) -> list[tuple[float, float]]:
+    """The (bucket_cap_mb, first_bucket_mb) pairs to try; None marks the size to tune.
+
+    The default first, then one bucket for everything, then a half, a quarter and an
+    eighth of the gradients; the first bucket stays 1 MB (or the cap, if smaller), unless
+    it is tuned alone. Pairs that give the same buckets are tried once (``distinct``).
+    """
+    whole = gradient_mb + 1.0  # one bucket
+    if cap_mb is None:
+        caps = [DEFAULT[0], whole] + [gradient_mb / d for d in (2, 4, 8)]
+        firsts = [first_mb] if first_mb is not None else [DEFAULT[1]]
+    else:
+        caps = [cap_mb]
+        firsts = [DEFAULT[1], 0.25, 4.0, cap_mb] if first_mb is None else [first_mb]
+    out: list[tuple[float, float]] = []
+    for cap in caps:
+        for first in firsts:
+            pair = (round(cap, 3), round(min(first, cap) if cap != whole else cap, 3))
+            if pair not in out:
+                out.append(pair)
+    return out
+
+
+class BucketTuner:
+    """Tries each candidate bucket size on real steps; rank 0 picks the fastest."""
+
+    def __init__(self, r: ReducerState, cap_mb: float | None, first_mb: float | None) -> None:
+        self._r = r
+        self._sizes = cap_mb, first_mb  # None: tuned
+        self._pairs: list[tuple[float, float]] = []
+        self._samples: list[list[float]] = []
+        self._step = 0
+        self.choice: tuple[float, float] | None = None
+        """The sizes chosen, in MB, once tuning is over."""
+        self.medians: list[tuple[tuple[float, float], float]] = []
+        """Each candidate with its median figure in seconds (rank 0's), once chosen."""
+
+    @property
+    def done(self) -> bool:
+        """Whether the sizes are chosen (or adopted from a checkpoint)."""
+        return self.choice is not None
+
+    def after_step(self, joining: bool) -> None:
+        """At the end of a synced step: record it, then plan the next candidate or choose."""
+        r = self._r
+        if self.choice is not None or r.observed is not None or joining:
+            return
+        if not self._pairs:
+            gradient_mb = sum(b.nbytes for b in r.plan) / MB
+            self._pairs = self._distinct(candidates(gradient_mb, *self._sizes))
+            self._samples = [[] for _ in self._pairs]
+        else:
+            figure = _figure(r)
+            if figure is not None:
+                self._samples[(self._step - 1) % len(self._pairs)].append(figure)
+        if self._step == ROUNDS * len(self._pairs):
+            self._choose()
+            return
+        self._use(self._pairs[self._step % len(self._pairs)])
+        self._step += 1
+
+    def _distinct(self, pairs: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        """The first of each group of pairs that plan the same buckets."""
+        r = self._r
+        seen: set[tuple[tuple[str, ...], ...]] = set()
+        out = []
+        for pair in pairs:
+            plan = r.m.plan(cap_bytes(pair[0]), cap_bytes(pair[1]), r.plan.order)
+            key = tuple(b.names for b in plan)
+            if key not in seen:
+                seen.add(key)
+                out.append(pair)
+        return out
+
+    def adopt(self, cap_mb: float, first_mb: float) -> None:
+        """Use sizes chosen before (a checkpoint's), without tuning."""
+        self.choice = (cap_mb, first_mb)
+        self._use(self.choice)
+
+    def _use(self, pair: tuple[float, float]) -> None:
+        r = self._r
+        caps = cap_bytes(pair[0]), cap_bytes(pair[1])
+        if caps == r.caps:
+            return
+        r.caps = caps
+        plan = r.m.plan(*caps, r.plan.order)
+        if [b.names for b in plan] != [b.names for b in r.plan]:
+            layout.install(r, plan)
+
+    def _choose(self) -> None:
+        r = self._r
+        medians = [statistics.median(s) if s else float("inf") for s in self._samples]
+        best = min(range(len(medians)), key=medians.__getitem__)
+        if r.world_size > 1:
+            device = r.buckets[-1].storage.device if r.buckets else torch.device("cpu")
+            choice = torch.tensor([best], dtype=torch.int64, device=device)
+            dist.broadcast(choice, src=global_rank(r.process_group), group=r.process_group)
+            best = int(choice.item())
+        self.medians = list(zip(self._pairs, medians, strict=True))
+        self.choice = self._pairs[best]
+        self._use(self.choice)
+        log.info(
+            "bucketddp: bucket sizes tuned: bucket_cap_mb=%g, first_bucket_mb=%g (rank 0's "
+            "median ms per candidate: %s)",
+            *self.choice,
+            ", ".join(f"{c[0]:g}/{c[1]:g}: {m * 1e3:.2f}" for c, m in self.medians),
+        )
+
+
+def _figure(r: ReducerState) -> float | None:
+    """Seconds from the step's first full bucket to the end of its wait (None: no timings)."""
+    stats = r.stats
+    if not stats.bucket_timings:
+        return None
+    start = min(t.ready for t in stats.bucket_timings)
+    return stats.wait_started + stats.wait_seconds - start
