@@ -18,7 +18,7 @@ from .buckets import BucketPlan
 from .buffers import BufferSync, Policy
 from .comm import broadcast_coalesced, module_device, verify_same_model
 from .comm_hooks import CommHook
-from .forward_io import hook_outputs, to_device
+from .forward_io import hook_outputs, refuse_dist_autograd, to_device
 from .join import BucketJoinHook, check_joinable, training_step
 from .module_checks import (
     check_initialized,
@@ -28,7 +28,7 @@ from .module_checks import (
     parameter_changes,
     sparse_parameters,
 )
-from .options import EngineOptions
+from .options import EngineOptions, ForwardSyncSwitch
 from .placement import input_device, reduce_group
 from .reducer import NO_TRAINABLE, CommStats, Reducer
 from .reducer.recovery import discard_step, step_unfinished
@@ -82,7 +82,7 @@ class BucketDataParallel(nn.Module, Joinable):
         *,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = 25.0,
-        first_bucket_mb: float | None = 1.0,
+        first_bucket_mb: float | None = None,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         broadcast_buffers: bool | None = None,
@@ -202,7 +202,11 @@ class BucketDataParallel(nn.Module, Joinable):
         grad_enabled = torch.is_grad_enabled()
         self._sync_buffers_next = grad_enabled and self.reducer.sync_enabled
         if grad_enabled:
+            refuse_dist_autograd()
             self.reducer.expect_backward()
+
+    # torch DDP 2.13's attribute, and its older name.
+    forward_sync_buffers = broadcast_buffers = ForwardSyncSwitch()
 
     def join(
         self,

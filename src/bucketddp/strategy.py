@@ -29,7 +29,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_warn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
@@ -38,7 +38,7 @@ from typing_extensions import override
 from .buffers import Policy
 from .options import EngineOptions, check_switches
 from .parallel import BucketDataParallel
-from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
+from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm, syncbn_layers
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
 # release that changes one is found here first:
@@ -76,8 +76,19 @@ class BucketSyncBatchNorm(LayerSync):
 
     @override
     def apply(self, model: Module) -> Module:
-        """Replace every BatchNorm layer in ``model`` by ``bucketddp.SyncBatchNorm``."""
-        return convert_sync_batchnorm(model)
+        """Replace every BatchNorm layer in ``model`` by ``bucketddp.SyncBatchNorm``.
+
+        Warns when the model has none: the option then does nothing.
+        """
+        converted = convert_sync_batchnorm(model)
+        if not syncbn_layers(converted):
+            rank_zero_warn(
+                f"sync_batchnorm=True, but the model ({type(model).__name__}) has no BatchNorm "
+                "layer, so there is nothing to synchronize. Remove sync_batchnorm=True (from "
+                "BucketDDP or the Trainer), or add the BatchNorm layers before fit starts.",
+                category=UserWarning,
+            )
+        return converted
 
     @override
     def revert(self, model: Module) -> Module:
@@ -129,7 +140,7 @@ class BucketDDP(DDPStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         bucket_cap_mb: float | None = 25.0,
-        first_bucket_mb: float | None = 1.0,
+        first_bucket_mb: float | None = None,
         gradient_as_bucket_view: bool = True,
         init_sync: bool = True,
         buffer_sync: Mapping[str, Policy] | None = None,
