@@ -7,7 +7,9 @@ broadcasts), so a list of any length costs one collective rather than one per te
 from __future__ import annotations
 
 import itertools
+import pickle
 import zlib
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -195,6 +197,52 @@ def all_reduce_coalesced(
     return sum(all_reduce_packed(FlatTensors(m, as_bytes=False), op, group) for m in members)
 
 
+_KEPT: deque[dist.Work] = deque(maxlen=8)
+
+
+def wait_kept(work: dist.Work | None) -> None:
+    """Wait for ``work`` and keep it referenced from Python, so that Python frees it.
+
+    A gloo work holds Python objects: its tensors, and the thread-local state it was
+    launched under. Dropped by Python first, the work is freed by gloo's worker thread,
+    which must then take the GIL; if the interpreter is already exiting (an error raised
+    just after the collective), Python ends that thread inside a C++ destructor and the
+    process dies of SIGABRT ("terminate called without an active exception"). Kept here,
+    the worker's release is never the last one: the last few works are freed by Python,
+    when newer ones push them out or when the interpreter clears this module.
+    """
+    if work is not None:
+        work.wait()
+        _KEPT.append(work)
+
+
+def all_reduce_kept(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+) -> None:
+    """``dist.all_reduce``, blocking, with its work kept (see ``wait_kept``): for the
+    collectives whose result may make every rank raise."""
+    wait_kept(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+
+
+def _all_gather_bytes(
+    data: bytes, group: dist.ProcessGroup | None, device: torch.device
+) -> list[bytes]:
+    """Every rank's ``data``: ``all_gather_object`` for bytes, with its works kept (see
+    ``wait_kept``), as the collectives before a cross-rank error must be."""
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    wait_kept(dist.all_gather(sizes, size, group=group, async_op=True))
+    longest = max(int(s.item()) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    wait_kept(dist.all_gather(gathered, mine, group=group, async_op=True))
+    return [bytes(g[: int(s.item())].cpu().tolist()) for g, s in zip(gathered, sizes, strict=True)]
+
+
 def gather_if_different(
     obj: object, group: dist.ProcessGroup | None, device: torch.device
 ) -> list[object] | None:
@@ -203,24 +251,23 @@ def gather_if_different(
     A fingerprint of ``repr(obj)`` (its length and two checksums) goes first: one MAX
     all-reduce of the fingerprint and its negation, on a ``device`` tensor, gives the
     largest and the smallest fingerprint, equal exactly when every rank's is the same.
-    Only when they differ do the objects follow, through ``all_gather_object``, so that the
-    caller can name the difference. Every rank decides from the same reduced values, so
-    either all of them take part in that second collective or none does. The common case,
-    equal objects, pickles nothing: pickling runs code a training step never needs, whose
-    pages count in the process's resident memory.
+    Only when they differ do the pickled objects follow, so that the caller can name the
+    difference. Every rank decides from the same reduced values, so either all of them
+    take part in that second collective or none does. The common case, equal objects,
+    pickles nothing: pickling runs code a training step never needs, whose pages count in
+    the process's resident memory. The works are kept (``wait_kept``): a caller raises
+    right after a difference, and the process may exit at once.
     """
     text = repr(obj).encode()
     fingerprint = [len(text), zlib.crc32(text), zlib.adler32(text)]
     extremes = torch.tensor(
         fingerprint + [-v for v in fingerprint], dtype=torch.int64, device=device
     )
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    all_reduce_kept(extremes, group, dist.ReduceOp.MAX)
     values = extremes.tolist()
     if values[:3] == [-v for v in values[3:]]:
         return None
-    gathered: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered
+    return [pickle.loads(b) for b in _all_gather_bytes(pickle.dumps(obj), group, device)]
 
 
 def module_device(module: torch.nn.Module, group: dist.ProcessGroup | None) -> torch.device:

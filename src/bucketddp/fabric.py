@@ -115,7 +115,7 @@ class BucketFabricDDP(DDPStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         bucket_cap_mb: float | str | None = 25.0,
-        first_bucket_mb: float | str | None = 1.0,
+        first_bucket_mb: float | str | None = None,
         gradient_as_bucket_view: bool = True,
         init_sync: bool = True,
         buffer_sync: Mapping[str, Policy] | None = None,

@@ -7,6 +7,7 @@ which marks where the backward pass starts.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -52,3 +53,31 @@ def to_device(obj: Any, device: torch.device) -> Any:
             out[k] = to_device(v, device)
         return out
     return obj
+
+
+def refuse_dist_autograd() -> None:
+    """Raise inside a ``torch.distributed.autograd`` context (RPC): not supported.
+
+    ``dist_autograd.backward`` writes gradients into its context, not ``.grad``, and runs
+    no parameter hook, so the reducer would leave them local where torch DDP averages them.
+    Costs a dictionary lookup where RPC was never imported.
+
+    Raises:
+        NotImplementedError: naming what to use instead.
+    """
+    rpc = sys.modules.get("torch.distributed.rpc")
+    if rpc is None or not rpc.is_available() or not rpc.api._is_current_rpc_agent_set():
+        return
+    from torch.distributed import autograd as dist_autograd
+
+    try:
+        dist_autograd._current_context()
+    except RuntimeError:  # no context: a plain backward follows
+        return
+    raise NotImplementedError(
+        "BucketDataParallel does not reduce gradients computed with torch.distributed."
+        "autograd: this forward runs inside dist_autograd.context(), and "
+        "dist_autograd.backward() would leave each rank's gradients local, unaveraged. Use "
+        "torch.nn.parallel.DistributedDataParallel for distributed autograd, or run the "
+        "forward outside the context and call loss.backward()."
+    )

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
 from .buffers import BufferSync
-from .comm import broadcast_coalesced
+from .comm import all_reduce_kept, broadcast_coalesced, wait_kept
 from .naming import name_list
 from .reducer import Reducer
 from .reducer.shadow import set_training_ranks, shadow_backward
@@ -96,14 +96,14 @@ def exchange_header(
 ) -> JoinStep:
     """Sum the step header over the group (one blocking all-reduce) and read it."""
     summed = torch.tensor(part, dtype=torch.float32, device=device)
-    dist.all_reduce(summed, group=group)
+    all_reduce_kept(summed, group)  # read_header may raise on every rank
     return read_header(summed.tolist(), world_size)
 
 
 def last_joiner(candidate: bool, group: dist.ProcessGroup | None, device: torch.device) -> int:
     """The highest group rank among those with ``candidate`` set (one all-reduce)."""
     rank = torch.tensor([dist.get_rank(group) if candidate else -1], device=device)
-    dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=group)
+    all_reduce_kept(rank, group, dist.ReduceOp.MAX)
     return int(rank.item())
 
 
@@ -148,8 +148,7 @@ def training_step(
         sync_backward=torch.is_grad_enabled() and reducer.sync_enabled,
     )
     step = exchange_header(part, reducer.process_group, device, world_size)
-    if notified is not None:
-        notified.wait()
+    wait_kept(notified)
     if step.sync_buffers:
         buffers.sync(src=step.src, ranks=step.ranks)
     if step.sync_backward:

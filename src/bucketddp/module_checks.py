@@ -6,7 +6,7 @@ Pure functions of the module: no process groups, no collectives.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from torch import nn
 
@@ -94,6 +94,16 @@ def ignored_names(module: nn.Module) -> frozenset[str]:
             stacklevel=3,
         )
     return ignored
+
+
+def set_ignored(module: nn.Module, params_and_buffers_to_ignore: Collection[str]) -> None:
+    """Make a wrapper built later leave these parameters and buffers alone (torch DDP's API).
+
+    Sets ``module._ddp_params_and_buffers_to_ignore``, the attribute both this wrapper and
+    torch DDP read. Names are those of ``named_parameters()`` and ``named_buffers()``; see
+    ``docs/ignored-parameters.md``.
+    """
+    module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore  # type: ignore[assignment]
 
 
 def model_signature(

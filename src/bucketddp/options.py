@@ -35,8 +35,9 @@ class EngineOptions:
         bucket_cap_mb: a bucket is launched once it holds this many MB of gradients (None:
             25, torch DDP's default, as there; "auto": tuned on the first steps).
         first_bucket_mb: the cap of the first bucket, kept small so that communication
-            starts early in backward (None: 1, torch DDP's with its default cap; "auto":
-            tuned on the first steps).
+            starts early in backward (None: 1, torch DDP's with its default cap, or
+            ``bucket_cap_mb`` if that is smaller; "auto": tuned on the first steps). Never
+            larger than ``bucket_cap_mb``.
         find_unused_parameters: allow parameters that get no gradient in a step (control
             flow, frozen branches). Without it such a step raises an error naming them.
         gradient_as_bucket_view: make each ``param.grad`` a view into its bucket, saving
@@ -73,12 +74,13 @@ class EngineOptions:
         TypeError: an on/off option that is not a bool (0 and 1 pass), a bucket size that
             is not a number, ``buffer_sync`` that is no mapping, or a default policy that is
             neither a policy name nor callable.
-        ValueError: a bucket size that is not positive and finite, buffer options that
-            contradict each other, or an unknown default policy name.
+        ValueError: a bucket size that is not positive and finite, a first bucket larger
+            than ``bucket_cap_mb``, buffer options that contradict each other, or an unknown
+            default policy name.
     """
 
     bucket_cap_mb: float | str = DEFAULT_BUCKET_CAP_MB
-    first_bucket_mb: float | str = DEFAULT_FIRST_BUCKET_MB
+    first_bucket_mb: float | str = None  # type: ignore[assignment]  # resolved by check_bucket_sizes
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = True
     broadcast_buffers: bool | None = None
@@ -184,7 +186,14 @@ class EngineOptions:
         )
 
     def replace(self, **changes: Any) -> EngineOptions:
-        """A copy with ``changes`` applied, checked like a new one."""
+        """A copy with ``changes`` applied, checked like a new one.
+
+        A first bucket at its default follows a new ``bucket_cap_mb``.
+        """
+        if "first_bucket_mb" not in changes and self.first_bucket_mb == min(
+            DEFAULT_FIRST_BUCKET_MB, self.bucket_cap_mb
+        ):
+            changes["first_bucket_mb"] = None
         return dataclasses.replace(self, **changes)
 
     def keywords(self) -> dict[str, Any]:
@@ -208,6 +217,35 @@ class EngineOptions:
             state = {**state, "buffer_sync": types.MappingProxyType(rules)}
         for name, value in state.items():
             object.__setattr__(self, name, value)
+
+
+class ForwardSyncSwitch:
+    """A wrapper's ``forward_sync_buffers`` attribute: whether buffers sync before forwards.
+
+    torch DDP 2.13's attribute (``broadcast_buffers`` is its older name). False when
+    wrapped with ``forward_sync_buffers=False``, ``broadcast_buffers=False`` or
+    ``default_buffer_policy="none"``. Set to False, it stops every buffer sync before
+    forwards, ``buffer_sync`` rules included; set to True, it starts them again.
+    """
+
+    def __get__(self, wrapper: Any, owner: type | None = None) -> Any:
+        if wrapper is None:
+            return self
+        return wrapper.options.buffer_policy_default != "none" and not wrapper.buffers_sync.paused
+
+    def __set__(self, wrapper: Any, value: bool) -> None:
+        """Raises TypeError unless ``value`` is a bool, and ValueError for True on a wrapper
+        whose buffers were made rank-local at wrapping."""
+        if value not in (True, False):
+            raise TypeError(f"forward_sync_buffers must be True or False, got {value!r}")
+        if value and wrapper.options.buffer_policy_default == "none":
+            raise ValueError(
+                "forward_sync_buffers cannot be switched on after wrapping with "
+                "forward_sync_buffers=False (or broadcast_buffers=False, or "
+                'default_buffer_policy="none"): the buffers were made rank-local then. Wrap '
+                "the model with forward_sync_buffers=True instead."
+            )
+        wrapper.buffers_sync.paused = not value
 
 
 def check_switches(**switches: object) -> None:
@@ -251,20 +289,21 @@ def check_bucket_sizes(
 ) -> tuple[float | str, float | str]:
     """Check both bucket sizes and return them in MB, or ``"auto"``.
 
-    ``None`` means the default: 25 MB for ``bucket_cap_mb`` (as torch DDP's None does) and
-    1 MB for ``first_bucket_mb``. ``"auto"`` means tuned on the first steps
-    (``docs/bucket-sizes.md``).
+    ``None`` means the default: 25 MB for ``bucket_cap_mb`` (as torch DDP's None does), and
+    for ``first_bucket_mb`` 1 MB, or ``bucket_cap_mb`` if that is smaller. ``"auto"`` means
+    tuned on the first steps (``docs/bucket-sizes.md``).
 
     Raises:
         TypeError: a size that is not a number.
-        ValueError: a size that is not positive and finite.
+        ValueError: a size that is not positive and finite, or a first bucket larger than
+            the others.
     """
     cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
-    first = DEFAULT_FIRST_BUCKET_MB if first_bucket_mb is None else first_bucket_mb
+    first = first_bucket_mb
     out: list[float | str] = []
     for name, value, default in (
         ("bucket_cap_mb", cap, DEFAULT_BUCKET_CAP_MB),
-        ("first_bucket_mb", first, DEFAULT_FIRST_BUCKET_MB),
+        ("first_bucket_mb", DEFAULT_FIRST_BUCKET_MB if first is None else first, 1.0),
     ):
         if value == AUTO and isinstance(value, str):
             out.append(AUTO)
@@ -277,7 +316,18 @@ def check_bucket_sizes(
         if not 0 < value < math.inf:
             raise ValueError(f"{name} must be a positive, finite number of megabytes, got {value}")
         out.append(float(value))
-    return out[0], out[1]
+    cap, first = out
+    if first_bucket_mb is None:
+        first = (
+            DEFAULT_FIRST_BUCKET_MB if isinstance(cap, str) else min(DEFAULT_FIRST_BUCKET_MB, cap)
+        )
+    elif not isinstance(first, str) and not isinstance(cap, str) and first > cap:
+        raise ValueError(
+            f"first_bucket_mb={first} is larger than bucket_cap_mb={cap}: the first "
+            "bucket is the small one, so that communication starts early in backward. Pass "
+            f"first_bucket_mb <= {cap}, or leave it out (1 MB, or bucket_cap_mb if smaller)."
+        )
+    return cap, first
 
 
 def buffer_default(

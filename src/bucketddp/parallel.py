@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from .comm import broadcast_coalesced, module_device, verify_same_model
 from .comm_hooks import CommHook
 from .faults import PROGRESS, watch
 from .faults.progress import BUFFER_SYNC, FORWARD, USER_CODE
-from .forward_io import hook_outputs, to_device
+from .forward_io import hook_outputs, refuse_dist_autograd, to_device
 from .join import BucketJoinHook, check_joinable, training_step
 from .module_checks import (
     check_initialized,
@@ -28,15 +28,26 @@ from .module_checks import (
     ignored_names,
     model_signature,
     parameter_changes,
+    set_ignored,
     sparse_parameters,
 )
-from .options import DEFAULT_STALL_TIMEOUT, EngineOptions
+from .options import DEFAULT_STALL_TIMEOUT, EngineOptions, ForwardSyncSwitch
 from .placement import input_device, reduce_group
 from .reducer import NO_TRAINABLE, CommStats, Reducer
 from .reducer.recovery import discard_step, step_unfinished
 from .syncbn import separate_group
 
 log = logging.getLogger(__name__)
+
+NOT_COPYABLE = (
+    "a BucketDataParallel on its own process group (or device_mesh) cannot be copied or "
+    "pickled, as with torch DDP: only the default group can be found again in the copy. "
+    "Copy model.module instead and wrap the copy."
+)
+NO_GROUP_TO_LOAD = (
+    "loading a pickled BucketDataParallel needs the default process group: call "
+    "torch.distributed.init_process_group() first, or save model.module instead"
+)
 
 
 class BucketDataParallel(nn.Module, Joinable):
@@ -84,7 +95,7 @@ class BucketDataParallel(nn.Module, Joinable):
         *,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | str | None = 25.0,
-        first_bucket_mb: float | str | None = 1.0,
+        first_bucket_mb: float | str | None = None,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         broadcast_buffers: bool | None = None,
@@ -217,7 +228,11 @@ class BucketDataParallel(nn.Module, Joinable):
         grad_enabled = torch.is_grad_enabled()
         self._sync_buffers_next = grad_enabled and self.reducer.sync_enabled
         if grad_enabled:
+            refuse_dist_autograd()
             self.reducer.expect_backward()
+
+    # torch DDP 2.13's attribute, and its older name.
+    forward_sync_buffers = broadcast_buffers = ForwardSyncSwitch()
 
     def join(
         self,
@@ -311,11 +326,7 @@ class BucketDataParallel(nn.Module, Joinable):
         and communicates nothing while being built.
         """
         if self.process_group is not None:
-            raise RuntimeError(
-                "a BucketDataParallel on its own process group (or device_mesh) cannot be "
-                "copied or pickled, as with torch DDP: only the default group can be found "
-                "again in the copy. Copy model.module instead and wrap the copy."
-            )
+            raise RuntimeError(NOT_COPYABLE)
         state = self.__dict__.copy()
         del state["reducer"]
         state["_bucket_order"] = self.reducer.learned_order
@@ -326,10 +337,7 @@ class BucketDataParallel(nn.Module, Joinable):
         order = state.pop("_bucket_order", None)
         super().__setstate__(state)
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                "loading a pickled BucketDataParallel needs the default process group: call "
-                "torch.distributed.init_process_group() first, or save model.module instead"
-            )
+            raise RuntimeError(NO_GROUP_TO_LOAD)
         self.reducer = self._new_reducer()
         self.buffers_sync.world_size = self.reducer.world_size  # torch.load: maybe another
         if order is not None:
@@ -345,17 +353,7 @@ class BucketDataParallel(nn.Module, Joinable):
         ignored = self.parameters_to_ignore
         return [(n, p) for n, p in self.module.named_parameters() if n not in ignored]
 
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(
-        module: nn.Module, params_and_buffers_to_ignore: Collection[str]
-    ) -> None:
-        """Make a wrapper built later leave these parameters and buffers alone (torch DDP's API).
-
-        Sets ``module._ddp_params_and_buffers_to_ignore``, the attribute both this wrapper
-        and torch DDP read. Names are those of ``named_parameters()`` and
-        ``named_buffers()``; see ``docs/ignored-parameters.md``.
-        """
-        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore  # type: ignore[assignment]
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(set_ignored)  # torch DDP's
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -402,21 +400,16 @@ class BucketDataParallel(nn.Module, Joinable):
 
     @property
     def tuned_bucket_sizes(self) -> tuple[float, float] | None:
-        """With ``"auto"`` bucket sizes: the (bucket_cap_mb, first_bucket_mb) chosen, once
-        tuning is over (``BucketDDP`` stores them in checkpoints); None before or without."""
+        """The ``(bucket_cap_mb, first_bucket_mb)`` that ``"auto"`` chose, or None (yet)."""
         tuner = self.reducer.tuner
         return tuner.choice if tuner is not None else None
 
     def load_bucket_sizes(self, bucket_cap_mb: float, first_bucket_mb: float) -> bool:
-        """Use bucket sizes chosen before by ``"auto"`` (a checkpoint's), skipping tuning.
-
-        Returns False, and changes nothing, if this wrapper's sizes are not ``"auto"``.
-        """
+        """Adopt sizes ``"auto"`` chose before (a checkpoint's); False unless ``"auto"``."""
         tuner = self.reducer.tuner
-        if tuner is None:
-            return False
-        tuner.adopt(float(bucket_cap_mb), float(first_bucket_mb))
-        return True
+        if tuner is not None:
+            tuner.adopt(float(bucket_cap_mb), float(first_bucket_mb))
+        return tuner is not None
 
     def load_bucket_order(self, order: Sequence[str]) -> bool:
         """Adopt a learned order from a checkpoint; False if the parameter set differs."""

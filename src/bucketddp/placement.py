@@ -90,10 +90,19 @@ def reduce_group(
 
     Raises:
         TypeError: ``process_group`` is neither a ProcessGroup nor None.
-        ValueError: see :func:`mesh_group`.
+        ValueError: this rank is not a member of ``process_group``; see also
+            :func:`mesh_group`.
     """
     if device_mesh is not None:
         process_group = mesh_group(device_mesh, process_group)
+    if isinstance(process_group, int) and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+        # What dist.new_group(ranks) returns on the ranks it leaves out: the int -100.
+        raise ValueError(
+            f"this rank (global rank {dist.get_rank()}) is not a member of process_group: "
+            "dist.new_group(ranks) gives the ranks outside ranks a placeholder, not a group. "
+            "Wrap the model only on the group's ranks (if dist.get_rank() in ranks: ...), or "
+            "create the group with every rank that trains this model."
+        )
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(
             "process_group must be a torch.distributed.ProcessGroup (from "

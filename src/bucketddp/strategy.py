@@ -44,7 +44,7 @@ from .options import DEFAULT_STALL_TIMEOUT
 from .parallel import BucketDataParallel
 from .strategy_common import CHECKPOINT_KEY, StrategyOptions, destroy_at_exit, register_twins
 from .strategy_launcher import WatchedProcessLauncher, WatchedScriptLauncher
-from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm
+from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm, syncbn_layers
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
 # release that changes one is found here first:
@@ -91,8 +91,19 @@ class BucketSyncBatchNorm(LayerSync):
 
     @override
     def apply(self, model: Module) -> Module:
-        """Replace every BatchNorm layer in ``model`` by ``bucketddp.SyncBatchNorm``."""
-        return convert_sync_batchnorm(model)
+        """Replace every BatchNorm layer in ``model`` by ``bucketddp.SyncBatchNorm``.
+
+        Warns when the model has none: the option then does nothing.
+        """
+        converted = convert_sync_batchnorm(model)
+        if not syncbn_layers(converted):
+            rank_zero_warn(
+                f"sync_batchnorm=True, but the model ({type(model).__name__}) has no BatchNorm "
+                "layer, so there is nothing to synchronize. Remove sync_batchnorm=True (from "
+                "BucketDDP or the Trainer), or add the BatchNorm layers before fit starts.",
+                category=UserWarning,
+            )
+        return converted
 
     @override
     def revert(self, model: Module) -> Module:
@@ -145,7 +156,7 @@ class BucketDDP(DDPStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         bucket_cap_mb: float | str | None = 25.0,
-        first_bucket_mb: float | str | None = 1.0,
+        first_bucket_mb: float | str | None = None,
         gradient_as_bucket_view: bool = True,
         init_sync: bool = True,
         buffer_sync: Mapping[str, Policy] | None = None,

@@ -237,6 +237,23 @@ IMPORT_CHECKS = {
 }
 
 
+def test_sync_batchnorm_without_a_batchnorm_layer_warns() -> None:
+    import warnings
+
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from bucketddp import BucketDDP
+
+    # What DDPStrategy.setup does with the plugin: ours warns when it finds nothing to convert.
+    plugin = BucketDDP(sync_batchnorm=True)._layer_sync
+    assert plugin is not None
+    with pytest.warns(UserWarning, match=r"sync_batchnorm=True, but the model \(BoringModel\) has"):
+        plugin.apply(BoringModel())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plugin.apply(torch.nn.Sequential(torch.nn.BatchNorm1d(2)))
+
+
 @pytest.mark.parametrize("order", list(IMPORT_CHECKS))
 def test_import_order(order: str) -> None:
     run_script([sys.executable, "-c", textwrap.dedent(IMPORT_CHECKS[order])], timeout=120)

@@ -47,6 +47,21 @@ def test_bad_options_fail_at_construction(
         EngineOptions().replace(**given)
 
 
+def test_first_bucket_is_never_larger_than_the_others() -> None:
+    # Left out, it is 1 MB, or the cap if smaller (torch DDP: the cap, if one is given).
+    assert EngineOptions(bucket_cap_mb=0.5).first_bucket_mb == 0.5
+    assert EngineOptions(bucket_cap_mb=4).replace(bucket_cap_mb=0.25).first_bucket_mb == 0.25
+    assert EngineOptions(bucket_cap_mb=0.5, first_bucket_mb=0.5).first_bucket_mb == 0.5
+    message = r"first_bucket_mb=8.0 is larger than bucket_cap_mb=4.0: the first bucket is the small"
+    with pytest.raises(ValueError, match=message):
+        EngineOptions(bucket_cap_mb=4, first_bucket_mb=8)
+    with pytest.raises(ValueError, match=r"Pass first_bucket_mb <= 4.0, or leave it out"):
+        EngineOptions(first_bucket_mb=8).replace(bucket_cap_mb=4)
+    with pytest.raises(ValueError, match=r"first_bucket_mb=2.0 is larger than bucket_cap_mb=1.0"):
+        # Checked before any process group is needed.
+        BucketDataParallel(torch.nn.Linear(2, 2), bucket_cap_mb=1.0, first_bucket_mb=2.0)
+
+
 def test_buffer_policy_default_follows_the_switches() -> None:
     assert EngineOptions(broadcast_buffers=False).buffer_policy_default == "none"
     assert EngineOptions(forward_sync_buffers=False).buffer_policy_default == "none"

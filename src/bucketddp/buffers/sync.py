@@ -91,6 +91,7 @@ class BufferSync:
         self._packed: dict[int, FlatTensors] = {}  # group index -> its reusable flat buffer
         self._hooks: list[RemovableHandle] = []
         self.rank_local: set[str] = set()
+        self.paused = False  # the wrapper's forward_sync_buffers set to False
         _structure.watch()
         _structure.track(module.modules())
         self._layout = AgreedLayout()
@@ -200,8 +201,8 @@ class BufferSync:
 
     @property
     def needed(self) -> bool:
-        """Whether any sync would communicate."""
-        return self.world_size > 1 and bool(self.groups)
+        """Whether a sync before the next forward would communicate."""
+        return self.world_size > 1 and bool(self.groups) and not self.paused
 
     def broadcast_buffers(self) -> list[torch.Tensor]:
         """The buffers whose policy is ``"broadcast"``."""

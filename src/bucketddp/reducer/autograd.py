@@ -60,3 +60,15 @@ def ready_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Rem
         return param.register_post_accumulate_grad_hook(hook)
     finally:
         param.requires_grad_(False)
+
+
+def when_given(hook: Callable[[int, torch.Tensor], None], i: int, param: torch.Tensor) -> None:
+    """Call ``hook(i, param)`` unless ``param`` has no gradient after all.
+
+    A parameter's hook also runs when the graph reached it but gave it no gradient: an
+    autograd Function whose backward returns None for it. With
+    ``find_unused_parameters`` torch DDP counts such a parameter as unused on this rank,
+    and leaves its ``.grad`` None when no rank gave it one: so does skipping the hook.
+    """
+    if param.grad is not None:
+        hook(i, param)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import AsyncSum, on_wire
+from ..comm import AsyncSum, all_reduce_kept, on_wire
 from ..comm_hooks import CommHook, GradBucket, call_after, hook_result, run_hook
 from . import errors, layout
 from .state import ReducerState
@@ -108,7 +108,7 @@ class HookLauncher:
         # on different ranks.
         row = buckets[-1].row
         assert row is not None
-        dist.all_reduce(row, group=self._group)
+        all_reduce_kept(row, self._group)  # its sum may make every rank raise
 
     def reduce_copies(
         self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]

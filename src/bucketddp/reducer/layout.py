@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 
 from ..buckets import BucketPlan
 from ..naming import first_names
 from .agreement import AgreementRow
-from .autograd import ready_hook
+from .autograd import ready_hook, when_given
 from .members import Members
 from .requires_grad import RequiresGradWatch
 from .sparse import SparseGradients
@@ -53,7 +54,12 @@ def plan_members(r: ReducerState, indices: list[int]) -> None:
     # reduced in place). partial (C-implemented) rather than a closure: one Python frame
     # less per parameter per step.
     r.gradient_hooks = [r.unslotted_hook if i in r.unslotted else r.autograd_hook for i in range(n)]
-    hooks = r.gradient_hooks if r.static is None else [r.static.autograd_hook] * n
+    hooks: list[Callable[[int, torch.Tensor], None]] = (
+        r.gradient_hooks if r.static is None else [r.static.autograd_hook] * n
+    )
+    if r.find_unused_parameters and r.static is None:
+        # A hook that fires with no gradient means unused here, as in torch DDP.
+        hooks = [functools.partial(when_given, hook) for hook in hooks]
     r.hook_handles = [
         ready_hook(p, functools.partial(hook, i))
         for i, (p, hook) in enumerate(zip(m.params, hooks, strict=True))

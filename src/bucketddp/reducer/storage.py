@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..buckets import BucketPlan
+from ..comm import wait_kept
 
 # The attribute on each bucket's storage that names the reducer owning it (a weak
 # reference): a gradient that is a view into another reducer's bucket tells that two
@@ -82,11 +83,16 @@ class Bucket:
 
     def wait(self) -> Any:
         """Wait for the bucket's communication; returns what a hook's future holds."""
+        work, self.work = self.work, None
+        if work is None:
+            return None
         value = None
-        if self.work is not None:
-            value = self.work.wait()
-            self.work = None
-            self.waited_at = time.perf_counter()
+        if isinstance(work, dist.Work):
+            # Kept past the wait: the step's agreement may raise, and the process exit at once.
+            wait_kept(work)
+        else:
+            value = work.wait()
+        self.waited_at = time.perf_counter()
         return value
 
 
