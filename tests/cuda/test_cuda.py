@@ -138,3 +138,32 @@ def test_bucket_ddp_on_one_gpu_matches_strategy_ddp(tmp_path: Path) -> None:
         assert result[f"{name}/bucket/backend"] == result[f"{name}/ddp/backend"] == "nccl"
         assert_same(result[f"{name}/bucket"], result[f"{name}/ddp"], tol=1e-6)
         assert moved(result[f"{name}/init"], result[f"{name}/bucket"]), f"{name} did not train"
+
+
+def _auto_and_timings(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).cuda()  # noqa: E731
+    ours = BucketDataParallel(make(), bucket_cap_mb="auto")
+    theirs = nn.parallel.DistributedDataParallel(make())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    worst, ordered = 0.0, True
+    for step in range(16):
+        x = torch.randn(8, 64, device="cuda", generator=None) + rank + step
+        for model, opt in zip((ours, theirs), opts, strict=True):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        timings = ours.comm_stats.bucket_timings
+        ordered &= bool(timings) and all(
+            t.ready <= t.launched <= t.completed <= t.waited for t in timings
+        )
+        for a, b in zip(ours.module.parameters(), theirs.module.parameters(), strict=True):
+            worst = max(worst, (a - b).abs().max().item())
+    return {"worst": worst, "ordered": ordered, "choice": ours.tuned_bucket_sizes}
+
+
+def test_auto_bucket_sizes_and_timings_on_cuda() -> None:
+    results = run_ranks(_auto_and_timings, 2, backend=BACKEND, timeout=180)
+    for r in results:
+        assert r["worst"] < 1e-5 and r["ordered"] and r["choice"] is not None, r
+    assert results[0]["choice"] == results[1]["choice"]
