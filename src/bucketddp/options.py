@@ -55,6 +55,9 @@ class EngineOptions:
             match.
         forward_sync_buffers: torch DDP 2.13's successor of ``broadcast_buffers``: False
             stops syncing buffers before each forward, but they still start from rank 0.
+        check_finite: look for NaN and Inf in every gradient before it is averaged; one
+            found raises an error on every rank at the end of that backward, naming the
+            ranks and the parameters (see ``docs/non-finite-gradients.md``).
         unused_hint: how the error about parameters without a gradient tells the user to
             allow them; the strategy names its own option there.
 
@@ -77,6 +80,7 @@ class EngineOptions:
     static_graph: bool = False
     init_sync: bool = True
     forward_sync_buffers: bool | None = None
+    check_finite: bool = False
     unused_hint: str = "Pass find_unused_parameters=True"
 
     def __post_init__(self) -> None:
@@ -87,6 +91,7 @@ class EngineOptions:
             static_graph=self.static_graph,
             init_sync=self.init_sync,
             forward_sync_buffers=self.forward_sync_buffers,
+            check_finite=self.check_finite,
         )
         cap, first = check_bucket_sizes(self.bucket_cap_mb, self.first_bucket_mb)
         object.__setattr__(self, "bucket_cap_mb", cap)

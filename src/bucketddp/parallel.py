@@ -51,8 +51,8 @@ class BucketDataParallel(nn.Module, Joinable):
         process_group: the group to reduce over; the default group if None.
         bucket_cap_mb, first_bucket_mb, find_unused_parameters, gradient_as_bucket_view,
         broadcast_buffers, buffer_sync, default_buffer_policy, static_graph, init_sync,
-        forward_sync_buffers: the engine options, torch DDP's and bucketddp's own; see
-            ``bucketddp.options.EngineOptions`` for each.
+        forward_sync_buffers, check_finite: the engine options, torch DDP's and bucketddp's
+            own; see ``bucketddp.options.EngineOptions`` for each.
         device_ids: torch DDP's argument, for a module on one accelerator: ``[local_rank]``
             or ``[device]``, naming the module's own device. Tensors in the forward's
             arguments are then moved to it, as torch DDP does. None (the default) or ``[]``
@@ -93,6 +93,7 @@ class BucketDataParallel(nn.Module, Joinable):
         static_graph: bool = False,
         init_sync: bool = True,
         forward_sync_buffers: bool | None = None,
+        check_finite: bool = False,
         device_mesh: Any = None,
         options: EngineOptions | None = None,
     ) -> None:

@@ -97,8 +97,8 @@ class BucketDDP(DDPStrategy):
     Args:
         bucket_cap_mb, first_bucket_mb, find_unused_parameters, gradient_as_bucket_view,
         broadcast_buffers, buffer_sync, default_buffer_policy, static_graph, init_sync,
-        forward_sync_buffers: the engine options, as ``BucketDataParallel`` takes them; see
-            ``bucketddp.options.EngineOptions`` for each.
+        forward_sync_buffers, check_finite: the engine options, as ``BucketDataParallel``
+            takes them; see ``bucketddp.options.EngineOptions`` for each.
         sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm`` while
             fitting, as ``Trainer(sync_batchnorm=True)`` does.
         ddp_comm_hook: a communication hook, ``hook(state, bucket) -> Future``, registered
@@ -136,6 +136,7 @@ class BucketDDP(DDPStrategy):
         default_buffer_policy: Policy | None = None,
         broadcast_buffers: bool | None = None,
         forward_sync_buffers: bool | None = None,
+        check_finite: bool = False,
         # ... DDPStrategy's for SyncBatchNorm and communication hooks, ...
         sync_batchnorm: bool = False,
         ddp_comm_hook: Callable[..., Any] | None = None,

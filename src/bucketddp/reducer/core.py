@@ -8,7 +8,7 @@ Each gradient of a synced backward goes through::
 
 Rare features plug in through a few seams and are built only when the model or the
 options need them: ``launch.py`` (a plain all-reduce, or a communication hook),
-``agreement.py`` (the row that rides on the last bucket), ``sparse.py``,
+``agreement.py`` (the row that rides on the last bucket), ``finite.py``, ``sparse.py``,
 ``static_graph.py``, ``requires_grad.py``, ``module_changes.py``, ``kept_grads.py`` and
 ``shadow.py`` (uneven inputs). See ``docs/design.md``.
 """
@@ -33,8 +33,9 @@ from . import errors, layout
 from .agreement import check, check_local
 from .autograd import COMPILED_AUTOGRAD, Once, compiled_autograd
 from .copy_back import take_agreed, take_as_planned
+from .finite import FiniteCheck
 from .kept_grads import SOLE_REFS, copy_on_write, kept_elsewhere, move_bucket
-from .launch import AllReduceLauncher, Launcher, use_hook
+from .launch import AllReduceLauncher, Launcher, checked, use_hook
 from .module_changes import ModuleChanges
 from .order import adopt_learned_order, load_order
 from .requires_grad import RequiresGradWatch, reduce_joined
@@ -82,7 +83,8 @@ class Reducer(ReducerState):
         self.buffer_layout = buffer_layout
         self.caps = cap_bytes(options.bucket_cap_mb), cap_bytes(options.first_bucket_mb)
         self.static_graph = options.static_graph
-        self.launcher: Launcher = AllReduceLauncher(process_group)
+        self.finite = FiniteCheck(self) if options.check_finite else None
+        self.launcher: Launcher = checked(self, AllReduceLauncher(process_group))
         # One rank has nothing to reduce: no storage, and the hooks only check (unless a
         # communication hook is registered).
         self.communicates = self.world_size > 1
