@@ -37,6 +37,7 @@ from lightning_models import (
     Finetuned,
     GradNorms,
     ManualBatchNorm,
+    NanOnRank1,
     Normed,
     Observe,
     RankLocalBias,
@@ -327,6 +328,13 @@ def lifecycle(out: Path) -> dict[str, Any]:
         result["unused_error"] = None
     except RuntimeError as err:
         result["unused_error"] = str(err)
+
+    # 9. A NaN gradient on rank 1 with BucketDDP(check_finite=True): named on every rank.
+    try:
+        _fit(BucketDDP(check_finite=True), NanOnRank1, max_steps=4, limit_val_batches=0)
+        result["nonfinite_error"] = None
+    except RuntimeError as err:
+        result["nonfinite_error"] = str(err)
 
     result["rank"] = trainer.global_rank
     return result
