@@ -42,15 +42,15 @@ def _forced(fused: bool, rows: int | None) -> Iterator[None]:
     """In this process, for a while: the fused check on the CPU, ``rows`` rows of flags."""
     from bucketddp.reducer import agreement, finite
 
-    saved = finite.LOOPED, agreement.row_count
+    saved = finite.ON_HOST, agreement.row_count
     if fused:
-        finite.LOOPED = frozenset()
+        finite.ON_HOST = frozenset()
     if rows is not None:
         agreement.row_count = lambda dtype, world_size: rows  # type: ignore[assignment]
     try:
         yield
     finally:
-        finite.LOOPED, agreement.row_count = saved
+        finite.ON_HOST, agreement.row_count = saved
 
 
 def poisoned_loss(

@@ -1,8 +1,10 @@
 """``check_finite=True``: NaN or Inf in a gradient stops the step on every rank, named.
 
 Each bucket is checked just before it is launched, while it still holds this rank's own
-gradients: one sum per parameter (on an accelerator, one fused norm kernel per bucket),
-left on the device. Just before the last bucket goes, the sums say which planned
+gradients. On an accelerator, one fused kernel per bucket takes a figure per parameter (its
+L1 norm), left on the device: reading it back would stall the backward. On the CPU, where
+reading costs nothing, the bucket is summed, and only a non-finite sum is looked at
+parameter by parameter. Just before the last bucket goes, the figures say which planned
 parameters hold a NaN or an Inf here, and this rank writes into its own slots of the
 agreement row how many, and the first few of them. The row is summed with the last
 bucket, so every rank reads every rank's slots: no collective of its own, and nothing read
@@ -28,8 +30,8 @@ from .storage import Bucket
 
 NAMED = 3
 """How many parameters the error names per rank: its first ones, in registration order."""
-LOOPED = frozenset({"cpu"})
-"""Device types where a sum per tensor costs less than one fused kernel for them all."""
+ON_HOST = frozenset({"cpu"})
+"""Device types whose values the check reads as it goes: nothing to wait for there."""
 
 
 def _sum(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +45,7 @@ def param_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     On the CPU a sum each; on an accelerator one fused kernel for all, their L1 norms
     (a launch per tensor would cost more there than the arithmetic).
     """
-    if not tensors or tensors[0].device.type in LOOPED:
+    if not tensors or tensors[0].device.type in ON_HOST:
         return [_sum(t) for t in tensors]
     half = tensors[0].dtype in (torch.float16, torch.bfloat16)
     return list(torch._foreach_norm(tensors, 1, dtype=torch.float32 if half else None))
@@ -64,7 +66,10 @@ class FiniteCheck:
         self._base = 2
         self._digits = 1
         self._named = 0
-        self._sums: list[list[torch.Tensor]] = []  # per bucket, this step
+        self._on_host = True
+        # Per bucket, this step: a figure per parameter, or None (on the host: all finite).
+        self._sums: list[list[torch.Tensor] | None] = []
+        self._finite: list[list[torch.Tensor]] = []  # per bucket: zeros, a stand-in for None
         # Per planned parameter in launch order, n - its index: the largest are the first.
         self._rank_key = torch.empty(0, dtype=torch.int64)
         self._powers = torch.ones(1, dtype=torch.int64)
@@ -89,20 +94,27 @@ class FiniteCheck:
         powers = [self._base**j for j in range(self._digits)]
         self._powers = torch.tensor(powers, dtype=torch.int64, device=device)
         self._named = min(self._named, len(order))
-        self._sums = [[] for _ in r.buckets]
+        self._on_host = device.type in ON_HOST
+        self._sums = [None for _ in r.buckets]
+        zero = torch.zeros((), device=device)
+        self._finite = [[zero] * len(b.members) for b in r.buckets]
 
     def before_launch(self, k: int, bucket: Bucket) -> None:
-        """Sum each gradient of bucket ``k``, still this rank's; at the last, write the row."""
-        views = self._r.views
-        self._sums[k] = param_sums([views[i] for i in bucket.members])
+        """Check bucket ``k``'s gradients, still this rank's; at the last, write the row."""
+        if self._on_host and bool(torch.isfinite(_sum(bucket.grads))):
+            self._sums[k] = None
+        else:
+            views = self._r.views
+            self._sums[k] = param_sums([views[i] for i in bucket.members])
         if bucket.row is not None:
             self._write()
 
     def _write(self) -> None:
         """This rank's slots: how many parameters have NaN or Inf, and the first of them."""
-        if not self._named:
-            return  # nothing slotted (sparse gradients only): nothing checked
-        finite = torch.isfinite(torch.stack([s for sums in self._sums for s in sums]))
+        if not self._named or (self._on_host and all(s is None for s in self._sums)):
+            return  # nothing slotted (sparse gradients only), or all finite: the slots are 0
+        figures = [s if s is not None else self._finite[k] for k, s in enumerate(self._sums)]
+        finite = torch.isfinite(torch.stack([s for sums in figures for s in sums]))
         keys = torch.where(finite, 0, self._rank_key)  # 0 where finite
         values = torch.cat([keys.count_nonzero().view(1), keys.topk(self._named).values])
         if self._digits > 1:
