@@ -71,7 +71,7 @@ class FiniteCheck:
         self._sums: list[list[torch.Tensor] | None] = []
         self._finite: list[list[torch.Tensor]] = []  # per bucket: zeros, a stand-in for None
         # Per planned parameter in launch order, n - its index: the largest are the first.
-        self._rank_key = torch.empty(0, dtype=torch.int64)
+        self._first_key = torch.empty(0, dtype=torch.int64)
         self._powers = torch.ones(1, dtype=torch.int64)
 
     def row_slots(self, dtype: torch.dtype, planned: int) -> int:
@@ -90,7 +90,7 @@ class FiniteCheck:
         order = [i for b in r.buckets for i in b.members]
         device = r.buckets[-1].storage.device if r.buckets else torch.device("cpu")
         n = len(r.params)
-        self._rank_key = torch.tensor([n - i for i in order], dtype=torch.int64, device=device)
+        self._first_key = torch.tensor([n - i for i in order], dtype=torch.int64, device=device)
         powers = [self._base**j for j in range(self._digits)]
         self._powers = torch.tensor(powers, dtype=torch.int64, device=device)
         self._named = min(self._named, len(order))
@@ -115,7 +115,7 @@ class FiniteCheck:
             return  # nothing slotted (sparse gradients only), or all finite: the slots are 0
         figures = [s if s is not None else self._finite[k] for k, s in enumerate(self._sums)]
         finite = torch.isfinite(torch.stack([s for sums in figures for s in sums]))
-        keys = torch.where(finite, 0, self._rank_key)  # 0 where finite
+        keys = torch.where(finite, 0, self._first_key)  # 0 where finite
         values = torch.cat([keys.count_nonzero().view(1), keys.topk(self._named).values])
         if self._digits > 1:
             values = (values.unsqueeze(1) // self._powers % self._base).flatten()
