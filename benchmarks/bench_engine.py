@@ -8,6 +8,9 @@ Three systems train each model (see ``models.py``) with SGD and momentum:
 
 With ``--null``, a fourth: ``torch_ddp_b``, a second torch DDP, whose ratio to the first
 shows how far apart two identical systems come out (the noise floor of the comparison).
+Each ``--variant NAME:option=value[,...]`` adds a bucketddp with those engine options,
+timed in the same rounds and compared with ``bucketddp``: what a feature costs, such as
+``--variant bucketddp_finite:check_finite=True``.
 
 Step times come from one pair of processes per model that keeps all systems alive and runs
 them in interleaved rounds, in an order that changes every round (each system follows every
@@ -46,8 +49,10 @@ from bench_harness import (
     RANKS_TIMEOUT,
     SYSTEMS,
     Config,
+    Variant,
     loadavg,
     measure_model_memory,
+    parse_variant,
     run_meta,
     run_ranks,
     time_model,
@@ -83,8 +88,9 @@ def print_time_table(
     ``overhead`` adds the bucketddp/local line, the figure of the world-size-1 section.
     """
     print(f"\n== {title}")
+    width = max([10, *(len(s) for res in results.values() for s in res["systems"])])
     header = (
-        f"{'model':<19} {'system':<10} {'step ms':>8} {'p25-p75 ms':>13} {'x local':>8} "
+        f"{'model':<19} {'system':<{width}} {'step ms':>8} {'p25-p75 ms':>13} {'x local':>8} "
         f"{'exposed ms':>10} {'fwd':>6} {'bwd':>6} {'opt':>6} {'wait':>6} {'cpu':>6} "
         f"{'peak MB (vs local)':>19}"
     )
@@ -100,9 +106,10 @@ def print_time_table(
             exposed = f"{f['exposed_comm_ms']:+.1f}" if "exposed_comm_ms" in f else "-"
             mem = memory.get(name, {}).get(s)
             peak = _fmt_peak(mem, memory.get(name, {}).get("local"))
-            wait = f"{f['comm_wait_ms']:.1f}" if s == "bucketddp" else "-"
+            ours = s == "bucketddp" or s in res.get("variants", {})
+            wait = f"{f['comm_wait_ms']:.1f}" if ours else "-"
             print(
-                f"{label:<19} {s:<10} {f['median_ms']:8.1f} "
+                f"{label:<19} {s:<{width}} {f['median_ms']:8.1f} "
                 f"{f['p25_ms']:6.1f}-{f['p75_ms']:<6.1f} {rel:>8} {exposed:>10} "
                 f"{f['forward_ms']:6.1f} {f['backward_ms']:6.1f} {f['optimizer_ms']:6.1f} "
                 f"{wait:>6} {f['cpu_ms']:6.1f} {peak:>19}"
@@ -118,6 +125,14 @@ def print_time_table(
             print(
                 f"{'':<19} 95% interval of the median round ratio: {lo:.3f}-{hi:.3f}, "
                 f"{verdict((lo, hi))}"
+            )
+        for name, v in res.get("variants", {}).items():
+            lo, hi = v["round_ratio_ci95"]
+            print(
+                f"{'':<19} {name}/bucketddp: {v['ratio_of_medians']:.3f} (ratio of medians), "
+                f"{v['median_round_ratio']:.3f} (median of {len(v['round_ratios'])} round "
+                f"ratios, 95% interval {lo:.3f}-{hi:.3f}, {verdict((lo, hi))}); "
+                f"cpu {v['cpu_ratio']:.3f}"
             )
         if "null_ratio_of_medians" in res:
             lo, hi = res["null_round_ratio_ci95"]
@@ -175,6 +190,14 @@ def pool_main(paths: Sequence[Path]) -> int:
 
 
 # ----------------------------------------------------------------------------- main
+def _variant(text: str) -> Variant:
+    """``--variant``'s argument, or argparse's error naming what is wrong with it."""
+    try:
+        return parse_variant(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line; ``--quick`` fills in small values for the options left unset."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -231,6 +254,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"also time {NULL_SYSTEM}, a second torch DDP, at world size 2: its ratio to "
         "torch_ddp is the noise floor of the comparison",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=_variant,
+        metavar="NAME:OPTION=VALUE[,...]",
+        help="also time a bucketddp with these engine options, compared with bucketddp, "
+        "such as bucketddp_finite:check_finite=True (repeatable; values are Python "
+        "literals; timing only, no memory runs)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     p.add_argument(
         "--malloc-mmap-kb",
@@ -257,6 +290,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run nothing: pool the round ratios of earlier runs' JSON files and print them",
     )
     args = p.parse_args(argv)
+    names = [name for name, _ in args.variant]
+    if len(set(names)) < len(names):
+        p.error(f"--variant names must differ, got {names}")
     defaults = {
         "rounds": (12, 2),
         "steps": (8, 3),
@@ -309,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.comm_hook,
         args.device,
         args.malloc_mmap_kb,
+        tuple(args.variant),
     )
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     gpu = torch.cuda.get_device_name(0) if cfg.device == "cuda" else None
@@ -345,8 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  memory {name}: done ({time.perf_counter() - started:.0f}s)", flush=True)
         report["memory_world_size_2"] = memory
 
-    timed = (*SYSTEMS, NULL_SYSTEM) if args.null else SYSTEMS
-    sections = [(2, args.models, timed), (1, args.ws1_models, SYSTEMS)]
+    variants = tuple(name for name, _ in cfg.variants)
+    timed = (*SYSTEMS, *variants, *([NULL_SYSTEM] if args.null else []))
+    sections = [(2, args.models, timed), (1, args.ws1_models, (*SYSTEMS, *variants))]
     for world_size, names, systems in sections:
         if world_size not in args.world_size:
             continue

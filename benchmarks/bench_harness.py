@@ -11,6 +11,8 @@ settings.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import os
 import platform
 import resource
@@ -31,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import bucketddp
 from bucketddp import BucketDataParallel
+from bucketddp.options import EngineOptions
 from models import MODELS, Batch, ModelSpec, count_parameters, count_tensors, loss_fn
 
 # The one rank launcher, shared with the tests. Appended, not prepended: ``models`` is this
@@ -46,6 +49,8 @@ RANKS_TIMEOUT = 900.0
 SYSTEMS = ("local", "torch_ddp", "bucketddp")
 NULL_SYSTEM = "torch_ddp_b"
 """A second torch DDP (``--null``): the A/A comparison that shows the noise floor."""
+Variant = tuple[str, tuple[tuple[str, Any], ...]]
+"""``--variant``: a system's name and the engine options its BucketDataParallel takes."""
 LR = 0.01
 MOMENTUM = 0.9
 
@@ -72,6 +77,45 @@ class Config:
     malloc_mmap_kb: int | None = None
     """CPU memory runs: glibc maps each allocation of at least this many KiB on its own and
     returns it when freed (see ``exact_malloc``); None leaves the allocator as it is."""
+    variants: tuple[Variant, ...] = ()
+    """bucketddp systems with engine options of their own (``--variant``), timed beside
+    the others and compared with ``bucketddp``."""
+
+
+def parse_variant(text: str) -> Variant:
+    """``NAME:option=value[,option=value...]``: a bucketddp system with engine options.
+
+    Values are Python literals (``True``, ``4``, ``0.5``, ``'mean'``), or else strings.
+    The options are checked as the wrapper checks them.
+
+    Raises:
+        ValueError: bad syntax, a name of the built-in systems, an unknown option or a
+            bad value, naming it.
+    """
+    name, colon, rest = text.partition(":")
+    if not colon or not name.isidentifier() or not rest:
+        raise ValueError(
+            f"--variant {text!r}: expected NAME:option=value[,option=value...], such as "
+            "bucketddp_finite:check_finite=True"
+        )
+    if name in (*SYSTEMS, NULL_SYSTEM):
+        raise ValueError(f"--variant {name}: that name is a built-in system; pick another")
+    known = sorted(f.name for f in dataclasses.fields(EngineOptions) if f.name != "unused_hint")
+    options = []
+    for item in rest.split(","):
+        key, equals, raw = (part.strip() for part in item.partition("="))
+        if not equals or key not in known:
+            raise ValueError(f"--variant {name}: unknown engine option {key!r}; one of {known}")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        options.append((key, value))
+    try:
+        EngineOptions(**dict(options))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--variant {name}: {err}") from None
+    return name, tuple(options)
 
 
 COMM_HOOKS = {
@@ -85,7 +129,7 @@ def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
     """The model as ``system`` trains it: bare, in torch DDP, or in BucketDataParallel.
 
     Both wrappers use their default options, except for the bucket sizes and the
-    communication hook ``cfg`` sets.
+    communication hook ``cfg`` sets, and a variant's own engine options.
     """
     cap = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
     wrapped: DistributedDataParallel | BucketDataParallel
@@ -93,14 +137,16 @@ def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
         return model
     if system in ("torch_ddp", NULL_SYSTEM):
         wrapped = DistributedDataParallel(model, **cap)
-    elif system == "bucketddp":
+    elif system == "bucketddp" or system in dict(cfg.variants):
         # torch DDP makes its first bucket as large as an explicit bucket_cap_mb: the same
         # here, unless a first bucket size is asked for, so both launch the same buckets.
         first_mb = cfg.bucket_cap_mb if cfg.first_bucket_mb is None else cfg.first_bucket_mb
         first = {} if first_mb is None else {"first_bucket_mb": first_mb}
-        wrapped = BucketDataParallel(model, **cap, **first)
+        own = dict(dict(cfg.variants).get(system, ()))
+        wrapped = BucketDataParallel(model, **{**cap, **first, **own})
     else:
-        raise ValueError(f"unknown system {system!r}; choose from {SYSTEMS}")
+        names = [*SYSTEMS, *(v for v, _ in cfg.variants)]
+        raise ValueError(f"unknown system {system!r}; choose from {names}")
     if cfg.comm_hook is not None:
         wrapped.register_comm_hook(None, COMM_HOOKS[cfg.comm_hook])
     return wrapped
@@ -201,6 +247,12 @@ def time_model(
         info["bucketddp_collectives"] = models["bucketddp"].comm_stats.collectives
     if "torch_ddp" in models:
         info["torch_ddp_bucket_mb"] = ddp_bucket_mb(models["torch_ddp"])
+    # What each variant's wrapper was given: its options as they reached it.
+    info["variant_options"] = {
+        name: {key: getattr(models[name].options, key) for key, _ in options}
+        for name, options in cfg.variants
+        if name in models
+    }
     return {"per_round": per_round, **info}
 
 

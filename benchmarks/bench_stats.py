@@ -115,6 +115,16 @@ def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
                 )
             ]
         )
+    # Each variant against plain bucketddp: what its options cost.
+    out["variants"] = {}
+    for name, options in raw.get("variant_options", {}).items():
+        if name in figures and "bucketddp" in figures:
+            ours, base = figures[name], figures["bucketddp"]
+            out["variants"][name] = {
+                **_compare(ours, base),
+                "cpu_ratio": ours["cpu_ms"] / base["cpu_ms"],
+                "options": options,
+            }
     kept = ("bucketddp_buckets", "bucketddp_bucket_mb", "bucketddp_collectives")
     for key in (*kept, "torch_ddp_bucket_mb"):
         if key in raw:

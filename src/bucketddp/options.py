@@ -59,6 +59,9 @@ class EngineOptions:
             match.
         forward_sync_buffers: torch DDP 2.13's successor of ``broadcast_buffers``: False
             stops syncing buffers before each forward, but they still start from rank 0.
+        check_finite: look for NaN and Inf in every gradient before it is averaged; one
+            found raises an error on every rank at the end of that backward, naming the
+            ranks and the parameters (see ``docs/non-finite-gradients.md``).
         telemetry: record when each bucket was ready, launched, completed and waited for,
             in ``comm_stats`` (``docs/telemetry.md``). False keeps the step totals only.
         watchdog: run the per-process watchdog (``docs/reliability.md``): an exception or
@@ -90,6 +93,7 @@ class EngineOptions:
     static_graph: bool = False
     init_sync: bool = True
     forward_sync_buffers: bool | None = None
+    check_finite: bool = False
     telemetry: bool = True
     watchdog: bool = True
     stall_timeout: float | None = DEFAULT_STALL_TIMEOUT
@@ -103,6 +107,7 @@ class EngineOptions:
             static_graph=self.static_graph,
             init_sync=self.init_sync,
             forward_sync_buffers=self.forward_sync_buffers,
+            check_finite=self.check_finite,
             watchdog=self.watchdog,
             telemetry=self.telemetry,
         )

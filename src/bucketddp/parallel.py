@@ -34,6 +34,7 @@ from .module_checks import (
 from .options import DEFAULT_STALL_TIMEOUT, EngineOptions, ForwardSyncSwitch
 from .placement import input_device, reduce_group
 from .reducer import NO_TRAINABLE, CommStats, Reducer
+from .reducer.order import learned_order, load_order
 from .reducer.recovery import discard_step, step_unfinished
 from .syncbn import separate_group
 
@@ -64,8 +65,8 @@ class BucketDataParallel(nn.Module, Joinable):
         process_group: the group to reduce over; the default group if None.
         bucket_cap_mb, first_bucket_mb, find_unused_parameters, gradient_as_bucket_view,
         broadcast_buffers, buffer_sync, default_buffer_policy, static_graph, init_sync,
-        forward_sync_buffers: the engine options, torch DDP's and bucketddp's own; see
-            ``bucketddp.options.EngineOptions`` for each.
+        forward_sync_buffers, check_finite: the engine options, torch DDP's and bucketddp's
+            own; see ``bucketddp.options.EngineOptions`` for each.
         device_ids: torch DDP's argument, for a module on one accelerator: ``[local_rank]``
             or ``[device]``, naming the module's own device. Tensors in the forward's
             arguments are then moved to it, as torch DDP does. None (the default) or ``[]``
@@ -106,6 +107,7 @@ class BucketDataParallel(nn.Module, Joinable):
         static_graph: bool = False,
         init_sync: bool = True,
         forward_sync_buffers: bool | None = None,
+        check_finite: bool = False,
         telemetry: bool = True,
         watchdog: bool = True,
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,
@@ -131,7 +133,6 @@ class BucketDataParallel(nn.Module, Joinable):
         self.device_mesh = device_mesh
         self.module = module
         self.process_group = process_group
-        # torch DDP's attributes.
         self.find_unused_parameters = options.find_unused_parameters
         self.static_graph = options.static_graph
         self.gradient_as_bucket_view = options.gradient_as_bucket_view
@@ -329,7 +330,7 @@ class BucketDataParallel(nn.Module, Joinable):
             raise RuntimeError(NOT_COPYABLE)
         state = self.__dict__.copy()
         del state["reducer"]
-        state["_bucket_order"] = self.reducer.learned_order
+        state["_bucket_order"] = learned_order(self.reducer)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -341,7 +342,7 @@ class BucketDataParallel(nn.Module, Joinable):
         self.reducer = self._new_reducer()
         self.buffers_sync.world_size = self.reducer.world_size  # torch.load: maybe another
         if order is not None:
-            self.reducer.load_order(order)
+            load_order(self.reducer, order)
         if self.options.watchdog:
             watch(self, self.options.stall_timeout)
         # torch.load in a new process: the module-change check needs its counter there too.
@@ -396,7 +397,7 @@ class BucketDataParallel(nn.Module, Joinable):
     @property
     def bucket_order(self) -> list[str] | None:
         """The learned gradient-ready order (for checkpoints), or None if not learned yet."""
-        return self.reducer.learned_order
+        return learned_order(self.reducer)
 
     @property
     def tuned_bucket_sizes(self) -> tuple[float, float] | None:
@@ -413,7 +414,7 @@ class BucketDataParallel(nn.Module, Joinable):
 
     def load_bucket_order(self, order: Sequence[str]) -> bool:
         """Adopt a learned order from a checkpoint; False if the parameter set differs."""
-        return self.reducer.load_order(order)
+        return load_order(self.reducer, order)
 
     def sync_buffers(self) -> int:
         """Apply every buffer policy now; returns the collectives it took."""

@@ -123,9 +123,10 @@ class BucketDDP(DDPStrategy):
     Args:
         bucket_cap_mb, first_bucket_mb, find_unused_parameters, gradient_as_bucket_view,
         broadcast_buffers, buffer_sync, default_buffer_policy, static_graph, init_sync,
-        forward_sync_buffers, telemetry, watchdog, stall_timeout: the engine options, as
-            ``BucketDataParallel`` takes them; see ``bucketddp.options.EngineOptions`` for
-            each, and ``docs/reliability.md`` for the last two.
+        forward_sync_buffers, check_finite, telemetry, watchdog, stall_timeout: the engine
+            options, as ``BucketDataParallel`` takes them; see
+            ``bucketddp.options.EngineOptions`` for each, and ``docs/reliability.md`` for
+            the last two.
         sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm`` while
             fitting, as ``Trainer(sync_batchnorm=True)`` does.
         ddp_comm_hook: a communication hook, ``hook(state, bucket) -> Future``, registered
@@ -163,6 +164,7 @@ class BucketDDP(DDPStrategy):
         default_buffer_policy: Policy | None = None,
         broadcast_buffers: bool | None = None,
         forward_sync_buffers: bool | None = None,
+        check_finite: bool = False,
         telemetry: bool = True,
         watchdog: bool = True,
         stall_timeout: float | None = DEFAULT_STALL_TIMEOUT,

@@ -20,6 +20,7 @@ from torch import nn
 
 from bucketddp import BucketDataParallel, convert_sync_batchnorm, revert_sync_batchnorm
 from engine_cases import CASES, TINY, assert_same_as_ddp, train_both
+from finite_cases import assert_named_and_recovered, train_configs
 from lightning_runs import SCENARIOS, assert_same, moved, run_script
 from multirank import run_ranks
 
@@ -52,6 +53,14 @@ def _on_cuda(rank: int, world: int, name: str, opts: dict[str, Any], kw: dict[st
 def test_matches_torch_ddp_on_cuda(case: str) -> None:
     name, opts, kw = CASES[case]
     assert_same_as_ddp(run_ranks(_on_cuda, 2, name, opts, kw, backend=BACKEND, timeout=180))
+
+
+def test_finite_check_on_cuda_names_rank1_and_trains_on() -> None:
+    # The fused way (one norm kernel per bucket), as on every accelerator.
+    configs = ["plain", "comm_hook", "no_sync", "unused"]
+    results = run_ranks(train_configs, 2, configs, "cuda", backend=BACKEND, timeout=180)
+    for config in configs:
+        assert_named_and_recovered(results, config)
 
 
 def test_nccl_at_world_size_1_matches_torch_ddp() -> None:

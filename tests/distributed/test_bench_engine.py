@@ -66,10 +66,24 @@ def test_default_buckets_match_torch_ddp_and_peak_memory_is_the_median_of_fresh_
     assert lo <= result["median_round_ratio"] <= hi
 
 
-def test_a_bucket_cap_gives_both_engines_the_same_buckets(tmp_path: Path) -> None:
+def test_a_bucket_cap_gives_both_engines_the_same_buckets_and_variants_their_options(
+    tmp_path: Path,
+) -> None:
     # torch 2.13 makes its first bucket as large as an explicit bucket_cap_mb; before, the
-    # benchmark left bucketddp's at 1 MB and compared different buckets.
-    result = run_bench(tmp_path, "--bucket-cap-mb", "2")
+    # benchmark left bucketddp's at 1 MB and compared different buckets. A variant is a
+    # bucketddp with engine options of its own, timed in the same rounds.
+    variant = "bucketddp_finite:check_finite=True,first_bucket_mb=0.5"
+    result = run_bench(tmp_path, "--bucket-cap-mb", "2", "--variant", variant)
+    finite = result["variants"]["bucketddp_finite"]
+    assert finite["options"] == {"check_finite": True, "first_bucket_mb": 0.5}
+    assert finite["round_ratios"] == [
+        a / b
+        for a, b in zip(
+            result["systems"]["bucketddp_finite"]["round_medians_ms"],
+            result["systems"]["bucketddp"]["round_medians_ms"],
+            strict=True,
+        )
+    ]
     theirs = result["torch_ddp_bucket_mb"]
     if theirs is None:
         pytest.skip("this torch's DDP does not report its rebuilt bucket sizes")
@@ -216,3 +230,20 @@ def test_pool_refuses_runs_made_with_other_options(tmp_path: Path) -> None:
     proc = run_pool(a, b)
     assert proc.returncode == 2
     assert "b.json: first_bucket_mb is 25.0" in proc.stderr
+
+
+def test_variant_arguments_are_checked_by_name() -> None:
+    parse = load_bench().parse_variant
+    assert parse("fast:check_finite=True, bucket_cap_mb=4,default_buffer_policy=mean") == (
+        "fast",
+        (("check_finite", True), ("bucket_cap_mb", 4), ("default_buffer_policy", "mean")),
+    )
+    for text, message in (
+        ("check_finite=True", "expected NAME:option=value"),
+        ("bucketddp:check_finite=True", "a built-in system"),
+        ("x:check_finit=True", "unknown engine option 'check_finit'"),
+        ("x:check_finite=yes", "check_finite must be True or False, got str 'yes'"),
+        ("x:bucket_cap_mb=0", "bucket_cap_mb must be a positive, finite number"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse(text)

@@ -111,6 +111,7 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
         "static_graph": True,
         "init_sync": True,
         "forward_sync_buffers": None,
+        "check_finite": False,
         "watchdog": True,
         "stall_timeout": 600.0,
     }
@@ -545,6 +546,15 @@ def test_unused_parameter_error_reaches_the_user(
         assert "['idle.weight', 'idle.bias']" in message
         assert "Pass BucketDDP(find_unused_parameters=True), or " in message
         assert 'Trainer(strategy="bucket_ddp_find_unused_parameters_true")' in message
+
+
+def test_nan_gradient_on_rank1_is_named_on_every_rank_with_check_finite(
+    lifecycle: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    for r in lifecycle[1]:
+        message = r["nonfinite_error"]
+        assert message is not None
+        assert "on rank 1 in ['net.3.weight'] (check_finite=True)" in message
 
 
 def test_resume_at_world_size_1(

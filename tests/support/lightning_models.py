@@ -173,6 +173,16 @@ class Unused(Counting):
         self.idle = nn.Linear(8, 8)
 
 
+class NanOnRank1(Counting):
+    """At step 2, rank 1's gradient of ``net.3.weight`` is NaN: the finite check names it."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and batch_idx == 2:
+            loss = loss + self.net[3].weight.sum() * float("nan")
+        return loss
+
+
 class Normed(pl.LightningModule):
     """BatchNorm layers for the sync_batchnorm runs; the batch differs per rank."""
 

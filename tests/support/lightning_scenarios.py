@@ -39,6 +39,7 @@ from lightning_models import (
     Finetuned,
     GradNorms,
     ManualBatchNorm,
+    NanOnRank1,
     Normed,
     Observe,
     RankLocalBias,
@@ -330,7 +331,13 @@ def lifecycle(out: Path) -> dict[str, Any]:
     except RuntimeError as err:
         result["unused_error"] = str(err)
 
-    # 9. CommMonitor logs the communication figures through a CSVLogger, every 2 steps.
+    # 9. A NaN gradient on rank 1 with BucketDDP(check_finite=True): named on every rank.
+    try:
+        _fit(BucketDDP(check_finite=True), NanOnRank1, max_steps=4, limit_val_batches=0)
+        result["nonfinite_error"] = None
+    except RuntimeError as err:
+        result["nonfinite_error"] = str(err)
+    # 10. CommMonitor logs the communication figures through a CSVLogger, every 2 steps.
     logger = CSVLogger(out / "csv", name="comm", version=0)
     monitor = bucketddp.CommMonitor(every_n_steps=2)
     _fit(

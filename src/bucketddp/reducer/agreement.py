@@ -20,6 +20,8 @@ The bucket's all-reduce sums the rows, so after it every rank reads the same tot
 - **buffers changed**: the ranks whose synced buffers no longer have the shape and dtype
   the ranks agreed on. Then every rank compares its buffers and adopts the new layout if
   every rank has it, or raises.
+- **extra**, only with ``check_finite=True``: slots per rank, each rank writing its own,
+  for the non-finite gradients it found (see ``finite.py``).
 
 In the common step every rank writes the same row, "as planned", and one comparison of
 the summed row with that row times the world size is the whole check.
@@ -51,11 +53,19 @@ class AgreementRow:
     """This rank's row on the last bucket, what it holds as planned, and how to read sums."""
 
     def __init__(
-        self, area: torch.Tensor, *, planned: int, members: Sequence[int], reducer: ReducerState
+        self,
+        area: torch.Tensor,
+        *,
+        planned: int,
+        members: Sequence[int],
+        reducer: ReducerState,
+        extra: int = 0,
     ) -> None:
-        """``area`` is the last bucket's row area; ``members`` the planned model parameters."""
+        """``area`` is the last bucket's row area; ``members`` the planned model parameters;
+        ``extra`` the slots of the finite check."""
         self.planned = planned
-        self.width = planned + len(reducer.all_params) + 2
+        self.flags = len(reducer.all_params) + 2  # the agreement part
+        self.width = planned + self.flags + extra
         self.rank = reducer.rank
         self.bind(area)
         # What the agreement part holds, before and after the sum, when exactly the planned
@@ -63,15 +73,15 @@ class AgreementRow:
         # Python lists: each torch operation that training never calls, indexing say, pages
         # in its code, which counts in the resident memory.)
         inside = set(members)
-        mask = [float(j in inside) for j in range(len(reducer.all_params) + 2)]
+        mask = [float(j in inside) for j in range(self.flags)]
         world = reducer.world_size
         dtype, device = area.dtype, area.device
         self.agreed_summed = torch.tensor(
-            [m * world for m in mask], dtype=torch.float64, device=device
+            [m * world for m in mask] + [0.0] * extra, dtype=torch.float64, device=device
         )
         # This rank's row when every planned parameter got its gradient and nothing changed
         # (counts: none missing, or every one used), and with one row, the sum then.
-        row = [float(reducer.find_unused_parameters)] * planned + mask
+        row = [float(reducer.find_unused_parameters)] * planned + mask + [0.0] * extra
         self.as_planned = torch.tensor(row, dtype=dtype, device=device)
         self.summed_as_planned = (
             torch.tensor([r * world for r in row], dtype=dtype, device=device)
@@ -80,21 +90,25 @@ class AgreementRow:
         )
 
     @staticmethod
-    def numel(dtype: torch.dtype, planned: int, model_params: int, world_size: int) -> int:
+    def numel(
+        dtype: torch.dtype, planned: int, model_params: int, world_size: int, extra: int = 0
+    ) -> int:
         """The size of the row area for a last bucket of ``dtype``."""
-        return row_count(dtype, world_size) * (planned + model_params + 2)
+        return row_count(dtype, world_size) * (planned + model_params + 2 + extra)
 
     def bind(self, area: torch.Tensor | None) -> None:
         """Take this rank's views from ``area`` (after the last bucket's storage moved)."""
         assert area is not None
         self.table = area.view(-1, self.width)
         mine = self.table[self.rank % len(self.table)]
-        self.counts, self.agreement = mine[: self.planned], mine[self.planned :]
+        end = self.planned + self.flags
+        self.counts, self.agreement = mine[: self.planned], mine[self.planned : end]
+        self.extra = mine[end:]
 
     def stand_in(self, area: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``area`` (a copy of the row area) as a table, and this rank's agreement part in it."""
         table = area.view(len(self.table), -1)
-        return table, table[self.rank % len(table)][self.planned :]
+        return table, table[self.rank % len(table)][self.planned : self.planned + self.flags]
 
     def write(self, r: ReducerState, *, changes: bool) -> None:
         """Write this rank's row for the step ``r`` just finished locally.
@@ -127,6 +141,7 @@ class AgreementRow:
             ]
             counts.copy_(torch.tensor(missing, dtype=counts.dtype))
         write_agreement(self.agreement, r)
+        self.extra.zero_()  # last step's sums
 
     def summed_is_planned(self) -> bool:
         """Whether the summed row says: every planned parameter everywhere, nothing changed."""
@@ -134,7 +149,7 @@ class AgreementRow:
         return expected is not None and torch.equal(self.table[0], expected)
 
     def read(self, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The summed rows, added up in float64: (counts, agreement)."""
+        """The summed rows, added up in float64: (counts, agreement with the extra slots)."""
         flags = self.table if table is None else table
         total = (flags.real if flags.is_complex() else flags).to(torch.float64).sum(0)
         return total[: self.planned], total[self.planned :]
@@ -159,7 +174,8 @@ def check(
     frozen: list[bool] | None = None
     joined: list[int] = []
     if not torch.equal(agreement, r.row.agreed_summed):
-        *ranks, changed, buffers = [round(c) for c in agreement.tolist()]
+        flags = len(r.all_params) + 2
+        *ranks, changed, buffers = [round(c) for c in agreement[:flags].tolist()]
         if changed:
             return changed_message(r.module_changes, changed, r.world_size), None, []
         if buffers and r.buffer_layout is not None:
@@ -170,6 +186,8 @@ def check(
         differ = [j for j, c in enumerate(ranks) if 0 < c < r.world_size]
         if differ:
             return differ_message(r, differ, ranks), None, []
+        if r.finite is not None and (error := r.finite.error(agreement[flags:].tolist())):
+            return error, None, []
         frozen = [ranks[j] == 0 for j in r.members]
         joined = [j for j in r.outside if ranks[j] == r.world_size]
     if not r.find_unused_parameters and (missing_here or bool(counts.any())):
@@ -186,6 +204,8 @@ def check_local(r: ReducerState) -> tuple[str | None, list[int]]:
     """World size 1, no row: the same contract; returns (error, joining parameters)."""
     if r.module_changes is not None and r.module_changes.reported:
         return changed_message(r.module_changes, 1, r.world_size), []
+    if r.finite is not None and (error := r.finite.local_error()):
+        return error, []
     joined = [j for j in r.outside if r.all_params[j].requires_grad]
     if r.find_unused_parameters or r.n_ready == len(r.ready):
         return None, joined

@@ -8,7 +8,7 @@ Each gradient of a synced backward goes through::
 
 Rare features plug in through a few seams and are built only when the model or the
 options need them: ``launch.py`` (a plain all-reduce, or a communication hook),
-``agreement.py`` (the row that rides on the last bucket), ``sparse.py``,
+``agreement.py`` (the row that rides on the last bucket), ``finite.py``, ``sparse.py``,
 ``static_graph.py``, ``requires_grad.py``, ``module_changes.py``, ``kept_grads.py`` and
 ``shadow.py`` (uneven inputs). See ``docs/design.md``.
 """
@@ -33,10 +33,11 @@ from . import errors, layout
 from .agreement import check, check_local
 from .autograd import COMPILED_AUTOGRAD, Once, compiled_autograd
 from .copy_back import take_agreed, take_as_planned
+from .finite import FiniteCheck
 from .kept_grads import SOLE_REFS, copy_on_write, kept_elsewhere, move_bucket
-from .launch import AllReduceLauncher, Launcher, use_hook
+from .launch import AllReduceLauncher, Launcher, checked, use_hook
 from .module_changes import ModuleChanges
-from .order import adopt_learned_order, load_order
+from .order import adopt_learned_order
 from .requires_grad import RequiresGradWatch, reduce_joined
 from .state import BufferLayout, ReducerState
 from .stats import CommStats
@@ -86,7 +87,8 @@ class Reducer(ReducerState):
         tuned = options.tuned_sizes
         self.tuner = BucketTuner(self, *tuned) if tuned is not None else None
         self.static_graph = options.static_graph
-        self.launcher: Launcher = AllReduceLauncher(process_group)
+        self.finite = FiniteCheck(self) if options.check_finite else None
+        self.launcher: Launcher = checked(self, AllReduceLauncher(process_group))
         self.clock = StepClock() if options.telemetry else NoClock()
         # One rank has nothing to reduce: no storage, and the hooks only check (unless a
         # communication hook is registered).
@@ -317,16 +319,6 @@ class Reducer(ReducerState):
     def buffers_changed(self) -> bool:
         """Whether this rank's synced buffers changed layout since the ranks agreed."""
         return self.buffer_layout is not None and self.buffer_layout.layout_changed
-
-    # ------------------------------------------------------------ the learned order
-    @property
-    def learned_order(self) -> list[str] | None:
-        """The ready order learned from the first backward, or None before it is known."""
-        return list(self.plan.order) if self.plan.learned else None
-
-    def load_order(self, order: Sequence[str]) -> bool:
-        """Adopt a previously learned order; False (and keep learning) if the params differ."""
-        return load_order(self, order)
 
     # ------------------------------------------------- what the wrapper tells the reducer
     def before_forward(self) -> None:

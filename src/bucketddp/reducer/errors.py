@@ -132,3 +132,19 @@ def check_gradient(
         raise RuntimeError(two_wrappers(name))
     if grad.dtype != slot.dtype:
         raise RuntimeError(retyped(name, grad.dtype, slot.dtype))
+
+
+def non_finite(found: list[tuple[int, int, list[str]]]) -> str:
+    """Gradients with NaN or Inf: per rank, (rank, how many parameters, the first names)."""
+    parts = [
+        f"rank {rank} in {name_list(names)}"
+        + (f" and {count - len(names)} more" if count > len(names) else "")
+        for rank, count, names in found
+    ]
+    return (
+        f"BucketDataParallel: gradients with NaN or Inf values on {'; '.join(parts)} "
+        "(check_finite=True). They were found before averaging, and every rank raises here, "
+        "so no optimizer step takes them in. Look for the cause on those ranks (the loss, "
+        "the batch, the learning rate); to go on, call optimizer.zero_grad() and skip the "
+        "step."
+    )

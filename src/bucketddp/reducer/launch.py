@@ -5,7 +5,8 @@ gradients were already divided by the world size on their way into the slots. Wi
 registered communication hook, the hook launcher hands each bucket's plain gradients to
 the hook and takes back what its future holds. The core calls ``launch`` and ``wait_all``
 and never asks which one it has, as torch DDP's reducer falls back to a default
-all-reduce hook.
+all-reduce hook. With ``check_finite=True`` either one is wrapped in a
+``CheckedLauncher``, which looks at each bucket first (``finite.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from ..comm import AsyncSum, all_reduce_kept, on_wire
 from ..comm_hooks import CommHook, GradBucket, call_after, hook_result, run_hook
 from . import errors, layout
-from .state import ReducerState
+from .state import FiniteGuard, ReducerState
 from .storage import Bucket, slot_views
 
 
@@ -130,7 +131,37 @@ class HookLauncher:
         dist.all_reduce(storages[-1][buckets[-1].grads.numel() :], group=self._group)
 
 
-Launcher = AllReduceLauncher | HookLauncher
+class CheckedLauncher:
+    """Another launcher, behind the finite check: each bucket is checked, then launched."""
+
+    def __init__(self, inner: AllReduceLauncher | HookLauncher, check: FiniteGuard) -> None:
+        self.inner = inner
+        self._check = check
+        self.averages = inner.averages
+        self.extra_collectives = inner.extra_collectives
+
+    def launch(self, k: int, bucket: Bucket) -> Any:
+        """Check bucket ``k`` (still this rank's gradients), then launch it."""
+        self._check.before_launch(k, bucket)
+        return self.inner.launch(k, bucket)
+
+    def wait_all(self, buckets: Sequence[Bucket]) -> None:
+        """Wait for every bucket, as the inner launcher does."""
+        self.inner.wait_all(buckets)
+
+    def reduce_copies(
+        self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]
+    ) -> None:
+        """A joined rank's zeros: nothing to check."""
+        self.inner.reduce_copies(storages, buckets, sparse)
+
+
+Launcher = AllReduceLauncher | HookLauncher | CheckedLauncher
+
+
+def checked(r: ReducerState, launcher: AllReduceLauncher | HookLauncher) -> Launcher:
+    """``launcher``, behind ``r``'s finite check if it has one."""
+    return launcher if r.finite is None else CheckedLauncher(launcher, r.finite)
 
 
 def use_hook(r: ReducerState, state: object, hook: CommHook) -> None:
@@ -139,7 +170,8 @@ def use_hook(r: ReducerState, state: object, hook: CommHook) -> None:
     Raises unless the hook can be registered now: once per reducer, between steps, and
     for dense gradients only.
     """
-    if isinstance(r.launcher, HookLauncher):
+    current = r.launcher.inner if isinstance(r.launcher, CheckedLauncher) else r.launcher
+    if isinstance(current, HookLauncher):
         raise RuntimeError(
             "a communication hook is already registered; register_comm_hook can be called "
             "once per wrapper (as with torch DDP)"
@@ -150,7 +182,7 @@ def use_hook(r: ReducerState, state: object, hook: CommHook) -> None:
         raise RuntimeError("register_comm_hook cannot be called during a backward pass")
     if r.sparse is not None:
         raise RuntimeError(errors.hook_with_sparse([r.names[i] for i in r.sparse.indices]))
-    r.launcher = HookLauncher(r.process_group, state, hook)
+    r.launcher = checked(r, HookLauncher(r.process_group, state, hook))
     r.set_scales()
     if not r.communicates:
         # One rank: buckets exist only to hand the hook its gradients, as torch DDP does.

@@ -71,11 +71,12 @@ def install(r: ReducerState, plan: BucketPlan) -> None:
     r.plan = plan
     n = len(r.params)
     dtype = plan[-1].dtype if len(plan) else torch.float32
+    extra = r.finite.row_slots(dtype, n) if r.finite is not None else 0
     storage = r.storage = BucketStorage(
         plan if r.communicates else BucketPlan((), (), learned=False),
         r.params,
         r.m.index,
-        row_numel=AgreementRow.numel(dtype, n, len(r.all_params), r.world_size),
+        row_numel=AgreementRow.numel(dtype, n, len(r.all_params), r.world_size, extra),
         unslotted=sorted(r.unslotted) if r.communicates else [],
         owner=r,
     )
@@ -90,7 +91,9 @@ def install(r: ReducerState, plan: BucketPlan) -> None:
     if r.buckets:
         area = r.buckets[-1].row
         assert area is not None
-        r.row = AgreementRow(area, planned=n, members=r.members, reducer=r)
+        r.row = AgreementRow(area, planned=n, members=r.members, reducer=r, extra=extra)
+        if r.finite is not None:
+            r.finite.install()
     storage.count_own_tensors()
     if r.rank == 0:
         log.debug("bucketddp plan: %s", plan.describe())

@@ -54,6 +54,11 @@ def adopt_learned_order(r: ReducerState) -> None:
         layout.install(r, plan)
 
 
+def learned_order(r: ReducerState) -> list[str] | None:
+    """The ready order ``r`` learned from the first backward, or None before it is known."""
+    return list(r.plan.order) if r.plan.learned else None
+
+
 def load_order(r: ReducerState, order: Sequence[str]) -> bool:
     """Plan ``r`` by a learned ``order`` (from a checkpoint); False if its names differ."""
     if set(order) != set(r.names) or len(order) != len(r.names):

@@ -70,6 +70,7 @@ class Row(Protocol):
     """This rank's agreement row on the last bucket (``agreement.py``)."""
 
     agreed_summed: torch.Tensor
+    extra: torch.Tensor  # this rank's view of the finite check's slots
 
     def write(self, r: ReducerState, *, changes: bool) -> None:
         """Write this rank's row for the step just finished locally."""
@@ -123,6 +124,30 @@ class FrozenWatch(Protocol):
 
     def remove(self) -> None:
         """Detach every hook."""
+        ...
+
+
+class FiniteGuard(Protocol):
+    """``check_finite=True`` (``finite.py``): NaN and Inf reported through the row."""
+
+    def row_slots(self, dtype: torch.dtype, planned: int) -> int:
+        """How many row slots the check needs in a last bucket of ``dtype``."""
+        ...
+
+    def install(self) -> None:
+        """Take the buckets of a new plan."""
+        ...
+
+    def before_launch(self, k: int, bucket: Bucket) -> None:
+        """Check bucket ``k``'s gradients; at the last bucket, write this rank's slots."""
+        ...
+
+    def error(self, summed: Sequence[float]) -> str | None:
+        """The error for the summed slots, or None."""
+        ...
+
+    def local_error(self) -> str | None:
+        """World size 1: the error for this rank's ``.grad`` tensors, or None."""
         ...
 
 
@@ -192,6 +217,7 @@ class ReducerState(ABC):
     static: StaticHooks | None
     frozen_watch: FrozenWatch | None
     module_changes: ModuleChanges | None
+    finite: FiniteGuard | None
 
     @property
     @abstractmethod

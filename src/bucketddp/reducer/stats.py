@@ -44,7 +44,8 @@ class CommStats:
     buckets: int = 0
     """Buckets in the plan used for the step."""
     comm_seconds: float = 0.0
-    """Time during which at least one bucket's collective was in flight."""
+    """Time during which at least one bucket's collective was in flight, or the end of
+    backward waited for one: so ``wait_seconds <= comm_seconds``."""
     hidden_seconds: float = 0.0
     """The part of ``comm_seconds`` before the end of backward began to wait: hidden
     under the backward pass."""

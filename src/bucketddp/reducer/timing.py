@@ -75,7 +75,12 @@ class StepClock:
                     waited=waited,
                 )
             )
-        comm, hidden = overlap([(t.launched, t.completed) for t in timings], self.wait_started)
+        # The wait itself counts as communication: the main thread may notice a completion
+        # late (a busy core, the GIL), and the exposed wait is the step's to pay either way.
+        spans = [(t.launched, t.completed) for t in timings]
+        if timings:
+            spans.append((self.wait_started, self.wait_started + figures["wait_seconds"]))
+        comm, hidden = overlap(spans, self.wait_started)
         return CommStats(
             comm_seconds=comm,
             hidden_seconds=hidden,
