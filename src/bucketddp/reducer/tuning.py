@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,7 @@ class BucketTuner:
         self._pairs: list[tuple[float, float]] = []
         self._samples: list[list[float]] = []
         self._step = 0
+        self._since: float | None = None  # when the step being measured began
         self.choice: tuple[float, float] | None = None
         """The sizes chosen, in MB, once tuning is over."""
         self.medians: list[tuple[tuple[float, float], float]] = []
@@ -79,22 +81,23 @@ class BucketTuner:
 
     def after_step(self, joining: bool) -> None:
         """At the end of a synced step: record it, then plan the next candidate or choose."""
+        now = time.perf_counter()
         r = self._r
         if self.choice is not None or r.observed is not None or joining:
+            self._since = None  # a step that did not count: the next is not measured either
             return
         if not self._pairs:
             gradient_mb = sum(b.nbytes for b in r.plan) / MB
             self._pairs = self._distinct(candidates(gradient_mb, *self._sizes))
             self._samples = [[] for _ in self._pairs]
-        else:
-            figure = _figure(r)
-            if figure is not None:
-                self._samples[(self._step - 1) % len(self._pairs)].append(figure)
+        elif self._since is not None:
+            self._samples[(self._step - 1) % len(self._pairs)].append(now - self._since)
         if self._step == ROUNDS * len(self._pairs):
             self._choose()
             return
         self._use(self._pairs[self._step % len(self._pairs)])
         self._step += 1
+        self._since = time.perf_counter()  # after the rebuild, which is not the plan's cost
 
     def _distinct(self, pairs: list[tuple[float, float]]) -> list[tuple[float, float]]:
         """The first of each group of pairs that plan the same buckets."""
@@ -143,11 +146,3 @@ class BucketTuner:
             ", ".join(f"{c[0]:g}/{c[1]:g}: {m * 1e3:.2f}" for c, m in self.medians),
         )
 
-
-def _figure(r: ReducerState) -> float | None:
-    """Seconds from the step's first full bucket to the end of its wait (None: no timings)."""
-    stats = r.stats
-    if not stats.bucket_timings:
-        return None
-    start = min(t.ready for t in stats.bucket_timings)
-    return stats.wait_started + stats.wait_seconds - start
