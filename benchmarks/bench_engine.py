@@ -6,11 +6,17 @@ Three systems train each model (see ``models.py``) with SGD and momentum:
 - ``torch_ddp``: ``torch.nn.parallel.DistributedDataParallel`` with its default options;
 - ``bucketddp``: ``bucketddp.BucketDataParallel`` with its default options.
 
-With ``--null``, a fourth: ``torch_ddp_b``, a second torch DDP, whose ratio to the first
-shows how far apart two identical systems come out (the noise floor of the comparison).
-Each ``--variant NAME:option=value[,...]`` adds a bucketddp with those engine options,
-timed in the same rounds and compared with ``bucketddp``: what a feature costs, such as
-``--variant bucketddp_finite:check_finite=True``.
+At world size 2 the rounds also time ``allreduce``: one all-reduce of a tensor as large as
+the model's gradients. The floor of a step is ``local`` plus that; each system's step minus
+the floor is its overhead beyond the wire.
+
+With ``--null``, another system: ``torch_ddp_b``, a second torch DDP, whose ratio to the
+first shows how far apart two identical systems come out (the noise floor of the
+comparison). Each ``--variant NAME:option=value[,...]`` adds a bucketddp with those engine
+options, timed in the same rounds and compared with ``bucketddp`` and torch DDP: what a
+feature costs, such as ``--variant bucketddp_finite:check_finite=True``. ``--overheads``
+adds the variants that measure telemetry, the watchdog, the finite check and ``"auto"``
+bucket sizes.
 
 Step times come from one pair of processes per model that keeps all systems alive and runs
 them in interleaved rounds, in an order that changes every round (each system follows every
@@ -19,8 +25,9 @@ memory comes from a fresh pair of processes per (model, system), because a proce
 resident set size only ever grows.
 See ``docs/benchmarks.md`` for how to read the output.
 
-This file is the command line: arguments, tables and the JSON report. What runs on the
-ranks is in ``bench_harness.py``; medians, ratios and intervals in ``bench_stats.py``.
+This file is the command line and the JSON report. What runs on the ranks is in
+``bench_harness.py`` and ``bench_memory.py``; medians, ratios and intervals in
+``bench_stats.py``; the printed tables in ``bench_report.py``.
 
 Usage::
 
@@ -44,6 +51,7 @@ import torch
 
 import bucketddp
 from bench_harness import (
+    ALLREDUCE,
     COMM_HOOKS,
     NULL_SYSTEM,
     RANKS_TIMEOUT,
@@ -51,110 +59,29 @@ from bench_harness import (
     Config,
     Variant,
     loadavg,
-    measure_model_memory,
     parse_variant,
     run_meta,
     run_ranks,
     time_model,
 )
-from bench_stats import pool_reports, summarize, verdict
+from bench_memory import measure_model_memory
+from bench_report import print_pooled, print_time_table
+from bench_stats import pool_reports, summarize
 from models import MODELS
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "engine.json"
-
-
-# ------------------------------------------------------------------------- output
-def _fmt_size(res: dict[str, Any]) -> str:
-    """A model's parameters and parameter tensors, such as "0.93M, 54 tensors"."""
-    n = res["params"]
-    params = f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.0f}K"
-    return f"{params}, {res['tensors']} tensors"
-
-
-def _fmt_peak(mem: dict[str, Any] | None, local: dict[str, Any] | None) -> str:
-    if mem is None:
-        return "-"
-    text = f"{mem['delta_mb']:+.0f}"
-    if local is not None and mem is not local:
-        text += f" ({mem['delta_mb'] - local['delta_mb']:+.0f})"
-    return text
-
-
-def print_time_table(
-    title: str, results: dict[str, Any], memory: dict[str, Any], *, overhead: bool = False
-) -> None:
-    """One block per model: step time, spread, exposed communication and peak memory.
-
-    ``overhead`` adds the bucketddp/local line, the figure of the world-size-1 section.
-    """
-    print(f"\n== {title}")
-    width = max([10, *(len(s) for res in results.values() for s in res["systems"])])
-    header = (
-        f"{'model':<19} {'system':<{width}} {'step ms':>8} {'p25-p75 ms':>13} {'x local':>8} "
-        f"{'exposed ms':>10} {'fwd':>6} {'bwd':>6} {'opt':>6} {'wait':>6} {'cpu':>6} "
-        f"{'peak MB (vs local)':>19}"
-    )
-    print(header)
-    print("-" * len(header))
-    for name, res in results.items():
-        figures = res["systems"]
-        floor = figures.get("local", {}).get("median_ms")
-        labels = [name, _fmt_size(res)]  # down the first column, beside the systems
-        for i, (s, f) in enumerate(figures.items()):
-            label = labels[i] if i < len(labels) else ""
-            rel = f"{f['median_ms'] / floor:.3f}" if floor else "-"
-            exposed = f"{f['exposed_comm_ms']:+.1f}" if "exposed_comm_ms" in f else "-"
-            mem = memory.get(name, {}).get(s)
-            peak = _fmt_peak(mem, memory.get(name, {}).get("local"))
-            ours = s == "bucketddp" or s in res.get("variants", {})
-            wait = f"{f['comm_wait_ms']:.1f}" if ours else "-"
-            print(
-                f"{label:<19} {s:<{width}} {f['median_ms']:8.1f} "
-                f"{f['p25_ms']:6.1f}-{f['p75_ms']:<6.1f} {rel:>8} {exposed:>10} "
-                f"{f['forward_ms']:6.1f} {f['backward_ms']:6.1f} {f['optimizer_ms']:6.1f} "
-                f"{wait:>6} {f['cpu_ms']:6.1f} {peak:>19}"
-            )
-        if "ratio_of_medians" in res:
-            ratios = res["round_ratios"]
-            lo, hi = res["round_ratio_ci95"]
-            print(
-                f"{'':<19} bucketddp/torch_ddp: {res['ratio_of_medians']:.3f} (ratio of medians), "
-                f"{res['median_round_ratio']:.3f} (median of {len(ratios)} round ratios, "
-                f"range {min(ratios):.3f}-{max(ratios):.3f}); cpu {res['cpu_ratio']:.3f}"
-            )
-            print(
-                f"{'':<19} 95% interval of the median round ratio: {lo:.3f}-{hi:.3f}, "
-                f"{verdict((lo, hi))}"
-            )
-        for name, v in res.get("variants", {}).items():
-            lo, hi = v["round_ratio_ci95"]
-            print(
-                f"{'':<19} {name}/bucketddp: {v['ratio_of_medians']:.3f} (ratio of medians), "
-                f"{v['median_round_ratio']:.3f} (median of {len(v['round_ratios'])} round "
-                f"ratios, 95% interval {lo:.3f}-{hi:.3f}, {verdict((lo, hi))}); "
-                f"cpu {v['cpu_ratio']:.3f}"
-            )
-        if "null_ratio_of_medians" in res:
-            lo, hi = res["null_round_ratio_ci95"]
-            print(
-                f"{'':<19} null, {NULL_SYSTEM}/torch_ddp: {res['null_ratio_of_medians']:.3f} "
-                f"(ratio of medians), {res['null_median_round_ratio']:.3f} (median of round "
-                f"ratios), 95% interval {lo:.3f}-{hi:.3f}"
-            )
-        if "bucketddp_bucket_mb" in res and not overhead:
-            print(
-                f"{'':<19} buckets (MB, launch order): bucketddp {res['bucketddp_bucket_mb']}, "
-                f"torch_ddp {res.get('torch_ddp_bucket_mb') or 'unknown'}"
-            )
-        if overhead and "bucketddp_over_local" in res:
-            print(
-                f"{'':<19} bucketddp/local: {res['bucketddp_over_local']:.3f} (ratio of medians), "
-                f"{res['bucketddp_over_local_rounds']:.3f} (median of round ratios)"
-            )
+OVERHEADS = (
+    "bucketddp_no_telemetry:telemetry=False",
+    "bucketddp_no_watchdog:watchdog=False",
+    "bucketddp_finite:check_finite=True",
+    "bucketddp_auto:bucket_cap_mb=auto",
+)
+"""The variants ``--overheads`` adds: what telemetry, the watchdog and the finite check
+cost, and ``"auto"`` bucket sizes against the default and torch DDP."""
 
 
 def pool_main(paths: Sequence[Path]) -> int:
-    """``--pool``: print the pooled bucketddp/torch_ddp ratios of earlier runs' JSON files."""
+    """``--pool``: print the pooled ratios of earlier runs' JSON files."""
     reports = []
     for path in paths:
         try:
@@ -167,29 +94,10 @@ def pool_main(paths: Sequence[Path]) -> int:
     except ValueError as err:
         print(f"bench_engine: {err}", file=sys.stderr)
         return 2
-    print(f"bucketddp/torch_ddp pooled over {len(reports)} runs")
-    for section, models in pooled.items():
-        print(f"\n== {section.replace('_', ' ')}")
-        for model, e in models.items():
-            lo, hi = e["round_ratio_ci95"]
-            per_run = ", ".join(f"{r:.3f}" for r in e["ratio_of_medians"])
-            print(
-                f"{model:<16} median of {len(e['round_ratios'])} round ratios "
-                f"{e['median_round_ratio']:.3f}, 95% interval {lo:.3f}-{hi:.3f}, "
-                f"{verdict((lo, hi))}; ratio of medians per run: {per_run}"
-            )
-            if "null_round_ratios" in e:
-                lo, hi = e["null_round_ratio_ci95"]
-                print(
-                    f"{'':<16} null, {NULL_SYSTEM}/torch_ddp: median of "
-                    f"{len(e['null_round_ratios'])} round ratios {e['null_median_round_ratio']:.3f}"
-                    f", 95% interval {lo:.3f}-{hi:.3f} (from {len(e['null_ratio_of_medians'])} of "
-                    f"the {e['runs']} runs)"
-                )
+    print_pooled(pooled, len(reports))
     return 0
 
 
-# ----------------------------------------------------------------------------- main
 def _variant(text: str) -> Variant:
     """``--variant``'s argument, or argparse's error naming what is wrong with it."""
     try:
@@ -264,6 +172,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "such as bucketddp_finite:check_finite=True (repeatable; values are Python "
         "literals; timing only, no memory runs)",
     )
+    p.add_argument(
+        "--overheads",
+        action="store_true",
+        help="add the variants " + ", ".join(OVERHEADS) + " (see --variant)",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     p.add_argument(
         "--malloc-mmap-kb",
@@ -290,6 +203,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="run nothing: pool the round ratios of earlier runs' JSON files and print them",
     )
     args = p.parse_args(argv)
+    if args.overheads:
+        args.variant += [parse_variant(text) for text in OVERHEADS]
     names = [name for name, _ in args.variant]
     if len(set(names)) < len(names):
         p.error(f"--variant names must differ, got {names}")
@@ -358,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "world_sizes": args.world_size,
             "memory_repeats": args.memory_repeats,
             "null": args.null,
+            "overheads": args.overheads,
         },
     }
     print(
@@ -383,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["memory_world_size_2"] = memory
 
     variants = tuple(name for name, _ in cfg.variants)
-    timed = (*SYSTEMS, *variants, *([NULL_SYSTEM] if args.null else []))
+    timed = (*SYSTEMS, ALLREDUCE, *variants, *([NULL_SYSTEM] if args.null else []))
     sections = [(2, args.models, timed), (1, args.ws1_models, (*SYSTEMS, *variants))]
     for world_size, names, systems in sections:
         if world_size not in args.world_size:
@@ -413,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"\nstep ms: median of {cfg.rounds * cfg.steps} timed steps, each the max over ranks; "
         "exposed ms: step - local step;\n"
+        "allreduce: one all-reduce of the gradients' bytes in one tensor (the wire); "
+        "beyond the wire: step - local - allreduce;\n"
         "fwd/bwd/opt: median phase times, mean over ranks; "
         "wait: bucketddp's comm_stats.wait_seconds;\n"
         "cpu: CPU time per step of a rank's process, all threads (median, mean over ranks); "

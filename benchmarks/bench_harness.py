@@ -1,12 +1,13 @@
-"""The engine benchmark's harness: what runs on the ranks, and how it is timed and measured.
+"""The engine benchmark's harness: what runs on the ranks, and how it is timed.
 
 ``time_model`` trains every system on one model in one pair of processes, in interleaved
-rounds (``round_order``); ``measure_memory`` measures one system's peak memory in a fresh
-pair. Both run through ``run_ranks``, the tests' rank launcher (``tests/support/multirank.py``):
-one intra-op thread per rank, a real process group on a free loopback port. ``bench_stats.py``
-turns their figures into medians and ratios; ``bench_engine.py`` is the command line.
-bench_syncbn.py and bench_lightning.py reuse ``train_steps``, ``run_meta`` and the optimizer
-settings.
+rounds (``round_order``), beside a standalone all-reduce of the gradients' bytes (the
+wire). It runs through ``run_ranks``, the tests' rank launcher
+(``tests/support/multirank.py``): one intra-op thread per rank, a real process group on a
+free loopback port. ``bench_memory.py`` measures peak memory, ``bench_stats.py`` turns the
+figures into medians and ratios, and ``bench_engine.py`` is the command line.
+bench_syncbn.py, bench_lightning.py and bench_plots.py reuse ``train_steps``, ``run_meta``,
+``time_model`` and the optimizer settings.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import ast
 import dataclasses
 import os
 import platform
-import resource
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import bucketddp
 from bucketddp import BucketDataParallel
-from bucketddp.options import EngineOptions
+from bucketddp.options import AUTO, EngineOptions
 from models import MODELS, Batch, ModelSpec, count_parameters, count_tensors, loss_fn
 
 # The one rank launcher, shared with the tests. Appended, not prepended: ``models`` is this
@@ -41,7 +40,7 @@ from models import MODELS, Batch, ModelSpec, count_parameters, count_tensors, lo
 SUPPORT = Path(__file__).resolve().parents[1] / "tests" / "support"
 if str(SUPPORT) not in sys.path:
     sys.path.append(str(SUPPORT))
-from multirank import run_ranks  # noqa: E402
+from multirank import run_ranks  # noqa: E402, F401  (re-exported to the benchmarks)
 
 RANKS_TIMEOUT = 900.0
 """Seconds one ``run_ranks`` call of a benchmark may take: a whole model's timing run."""
@@ -49,6 +48,11 @@ RANKS_TIMEOUT = 900.0
 SYSTEMS = ("local", "torch_ddp", "bucketddp")
 NULL_SYSTEM = "torch_ddp_b"
 """A second torch DDP (``--null``): the A/A comparison that shows the noise floor."""
+ALLREDUCE = "allreduce"
+"""Not a system but the wire: one all-reduce of a flat tensor as large as the model's
+gradients, timed in the rounds like a system. A step's floor is local + allreduce."""
+TUNING_STEPS = 64
+"""Most untimed steps a variant with ``"auto"`` bucket sizes may take to choose them."""
 Variant = tuple[str, tuple[tuple[str, Any], ...]]
 """``--variant``: a system's name and the engine options its BucketDataParallel takes."""
 LR = 0.01
@@ -224,22 +228,39 @@ def time_model(
     """Interleaved rounds of every system on one model; returns per-round step figures.
 
     Each step's total time is the max over ranks (a step is as slow as its slowest rank);
-    the phase columns are the mean over ranks.
+    the phase columns are the mean over ranks. ``ALLREDUCE`` among ``systems`` times the
+    wire instead of a model (``time_allreduce``). A variant with ``"auto"`` bucket sizes
+    trains untimed steps until it has chosen them (``tune``), so no tuning step is timed.
     """
     spec = MODELS[model_name]
-    models = {s: wrap(s, spec.build(seed=0).to(cfg.device), cfg) for s in systems}
+    models = {s: wrap(s, spec.build(seed=0).to(cfg.device), cfg) for s in systems if s != ALLREDUCE}
     optimizers = {
         s: torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for s, m in models.items()
+    }
+    bare = spec.build(seed=0)
+    grad_bytes = sum(p.numel() * p.element_size() for p in bare.parameters() if p.requires_grad)
+    # Zeros: their sum stays zero, with no overflow nor denormals however often it runs.
+    wire = torch.zeros(grad_bytes // 4, dtype=torch.float32, device=cfg.device)
+    tuning = {
+        s: tune(models[s], optimizers[s], make_batches(spec, cfg, rank, cfg.rounds, 1), cfg)
+        for s in models
+        if is_auto(s, cfg)
     }
     per_round: dict[str, list[list[list[float]]]] = {s: [] for s in systems}
     for r in range(cfg.rounds):
         batches = make_batches(spec, cfg, rank, r, cfg.warmup + cfg.steps)
         for s in round_order(systems, r):
             dist.barrier()
-            rows = train_steps(models[s], optimizers[s], batches, cfg.device == "cuda")
+            if s == ALLREDUCE:
+                rows = time_allreduce(wire, len(batches), cfg.device == "cuda")
+            else:
+                rows = train_steps(models[s], optimizers[s], batches, cfg.device == "cuda")
             per_round[s].append(over_ranks(rows[cfg.warmup :], world_size, cfg.device))
-    bare = models[systems[0]]
-    info: dict[str, Any] = {"params": count_parameters(bare), "tensors": count_tensors(bare)}
+    info: dict[str, Any] = {
+        "params": count_parameters(bare),
+        "tensors": count_tensors(bare),
+        "gradient_mb": round(grad_bytes / 2**20, 3),
+    }
     if "bucketddp" in models:
         plan = models["bucketddp"].bucket_plan
         info["bucketddp_buckets"] = len(plan)
@@ -247,13 +268,60 @@ def time_model(
         info["bucketddp_collectives"] = models["bucketddp"].comm_stats.collectives
     if "torch_ddp" in models:
         info["torch_ddp_bucket_mb"] = ddp_bucket_mb(models["torch_ddp"])
-    # What each variant's wrapper was given: its options as they reached it.
+    # What each variant's wrapper was given (its options as they reached it), its buckets,
+    # and for "auto" the sizes it chose and the untimed steps it took to choose them.
     info["variant_options"] = {
         name: {key: getattr(models[name].options, key) for key, _ in options}
         for name, options in cfg.variants
         if name in models
     }
+    info["variant_bucket_mb"] = {
+        name: [round(b.nbytes / 2**20, 3) for b in models[name].bucket_plan]
+        for name, _ in cfg.variants
+        if name in models
+    }
+    info["variant_tuning"] = tuning
     return {"per_round": per_round, **info}
+
+
+def is_auto(system: str, cfg: Config) -> bool:
+    """Whether ``system`` is a variant with a bucket size of ``"auto"``."""
+    options = dict(dict(cfg.variants).get(system, ()))
+    return AUTO in (options.get("bucket_cap_mb"), options.get("first_bucket_mb"))
+
+
+def tune(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: Sequence[Batch], cfg: Config
+) -> dict[str, Any]:
+    """Train untimed steps until ``"auto"`` has chosen the bucket sizes; what it chose.
+
+    Every rank reaches the choice at the same step (rank 0 broadcasts it), so the ranks
+    leave the loop together. Raises RuntimeError after ``TUNING_STEPS`` steps without one.
+    """
+    assert isinstance(model, BucketDataParallel)
+    steps = 0
+    while model.tuned_bucket_sizes is None:
+        if steps == TUNING_STEPS:
+            raise RuntimeError(
+                f'bucket_cap_mb="auto" chose no sizes in {TUNING_STEPS} steps; is telemetry on?'
+            )
+        train_steps(model, optimizer, batches, cfg.device == "cuda")
+        steps += len(batches)
+    cap, first = model.tuned_bucket_sizes
+    return {"steps": steps, "bucket_cap_mb": cap, "first_bucket_mb": first}
+
+
+def time_allreduce(wire: torch.Tensor, count: int, cuda: bool = False) -> list[list[float]]:
+    """``count`` all-reduces of ``wire``, as ``train_steps`` rows (the phases are 0)."""
+    rows = []
+    for _ in range(count):
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        dist.all_reduce(wire)
+        if cuda:
+            torch.cuda.synchronize()
+        rows.append([time.perf_counter() - t0, 0.0, 0.0, 0.0, 0.0, time.process_time() - c0])
+    return rows
 
 
 def over_ranks(rows: Sequence[Sequence[float]], world_size: int, device: str) -> list[list[float]]:
@@ -282,131 +350,6 @@ def ddp_bucket_mb(model: nn.Module) -> list[float] | None:
     if not isinstance(sizes, str) or not sizes:
         return None
     return [round(int(b) / 2**20, 3) for b in sizes.split(",")]
-
-
-def _rss_kb() -> int:
-    """Current resident set size of this process in KiB (Linux), else the peak so far."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def exact_malloc(threshold_kb: int) -> None:
-    """Make glibc map each allocation of ``threshold_kb`` KiB or more on its own, and unmap it
-    when freed; heap memory above the top is returned at once.
-
-    With glibc's defaults, a freed block is kept for reuse and the mmap threshold grows with
-    the blocks freed, so a process's peak RSS depends on the order of its allocations as
-    much as on their sizes: a few MB either way between fresh processes running the same
-    code. With this, RSS follows the memory in use, and the pairs agree to a fraction of a
-    MB. Linux with glibc only; raises RuntimeError elsewhere.
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    mallopt = getattr(libc, "mallopt", None)
-    trim = getattr(libc, "malloc_trim", None)
-    # mallopt's parameter numbers, from glibc's malloc.h.
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    if (
-        mallopt is None
-        or trim is None
-        or mallopt(m_mmap_threshold, threshold_kb * 1024) != 1
-        or mallopt(m_trim_threshold, 0) != 1
-    ):
-        raise RuntimeError(
-            "--malloc-mmap-kb needs glibc's mallopt (Linux); this C library has none or "
-            "refused the threshold. Run without --malloc-mmap-kb here."
-        )
-    trim(0)
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark to the current RSS (Linux >= 4.0); False if unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def measure_memory(
-    rank: int, world_size: int, model_name: str, system: str, cfg: Config
-) -> dict[str, Any]:
-    """Peak RSS growth of one system in a fresh process, from "model built" to "steps done".
-
-    The baseline is taken after the model and the batches exist but before wrapping, so the
-    figure covers what the wrapper adds (buckets, bookkeeping, gloo buffers) plus what
-    training adds (gradients, momentum, activations), and not the model itself. On CUDA
-    the figures are the GPU memory torch's allocator hands out, from the same point.
-    """
-    spec = MODELS[model_name]
-    model = spec.build(seed=0).to(cfg.device)
-    batches = make_batches(spec, cfg, rank, 0, cfg.memory_steps)
-    dist.barrier()
-    if cfg.device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        wrapped = wrap(system, model, cfg)
-        optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR, momentum=MOMENTUM)
-        train_steps(wrapped, optimizer, batches, cuda=True)
-        peak = torch.cuda.max_memory_allocated()
-        return {
-            "baseline_mb": base / 2**20,
-            "peak_mb": peak / 2**20,
-            "delta_mb": (peak - base) / 2**20,
-            "peak_reset": True,
-        }
-    if cfg.malloc_mmap_kb is not None:
-        exact_malloc(cfg.malloc_mmap_kb)
-    reset = _reset_peak_rss()
-    baseline_kb = _rss_kb()
-    wrapped = wrap(system, model, cfg)
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR, momentum=MOMENTUM)
-    train_steps(wrapped, optimizer, batches)
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {
-        "baseline_mb": baseline_kb / 1024,
-        "peak_mb": peak_kb / 1024,
-        "delta_mb": (peak_kb - baseline_kb) / 1024,
-        "peak_reset": reset,
-        "malloc_mmap_kb": cfg.malloc_mmap_kb,
-    }
-
-
-def measure_model_memory(
-    name: str, cfg: Config, repeats: int, backend: str
-) -> dict[str, dict[str, Any]]:
-    """Peak memory of every system on one model: ``repeats`` fresh pairs each, interleaved.
-
-    Each pair gives the larger of its two ranks' figures; a system's ``delta_mb`` is the
-    median over its pairs (``repeats_delta_mb`` lists them), which tames the allocator's
-    run-to-run noise of a few MB.
-    """
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
-    for r in range(repeats):
-        for s in round_order(SYSTEMS, r):
-            ranks = run_ranks(
-                measure_memory, 2, name, s, cfg, timeout=RANKS_TIMEOUT, backend=backend
-            )
-            worst = max(ranks, key=lambda m: m["delta_mb"])
-            runs[s].append({**worst, "per_rank_delta_mb": [m["delta_mb"] for m in ranks]})
-    out = {}
-    for s, pairs in runs.items():
-        deltas = [p["delta_mb"] for p in pairs]
-        median = statistics.median(deltas)
-        middle = min(pairs, key=lambda p: abs(p["delta_mb"] - median))
-        out[s] = {**middle, "delta_mb": median, "repeats_delta_mb": deltas}
-    return out
 
 
 def loadavg() -> list[float] | None:

@@ -6,12 +6,14 @@ JSON reports: nothing here runs a model.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from bench_harness import NULL_SYSTEM
+from bench_harness import ALLREDUCE, NULL_SYSTEM
+from bucketddp.options import EngineOptions
 
 
 def median(xs: Sequence[float]) -> float:
@@ -90,11 +92,29 @@ def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
             "step_ms": [[1000 * row[0] for row in rnd] for rnd in rounds],
         }
     figures = out["systems"]
+    engines = [s for s in systems if s not in ("local", ALLREDUCE)]
     if "local" in figures:
         floor = figures["local"]["median_ms"]
-        for s in systems:
-            if s != "local":
-                figures[s]["exposed_comm_ms"] = figures[s]["median_ms"] - floor
+        for s in engines:
+            figures[s]["exposed_comm_ms"] = figures[s]["median_ms"] - floor
+    if "local" in figures and ALLREDUCE in figures:
+        # The floor: the step without communication plus the wire alone. What a system
+        # takes beyond it is its own work, and the communication it failed to overlap.
+        local, wire = figures["local"], figures[ALLREDUCE]
+        out["wire_ms"] = wire["median_ms"]
+        out["gradient_mb"] = raw.get("gradient_mb")
+        for s in engines:
+            f = figures[s]
+            f["beyond_wire_ms"] = f["median_ms"] - local["median_ms"] - wire["median_ms"]
+            f["beyond_wire_round_ms"] = [
+                a - b - c
+                for a, b, c in zip(
+                    f["round_medians_ms"],
+                    local["round_medians_ms"],
+                    wire["round_medians_ms"],
+                    strict=True,
+                )
+            ]
     if "torch_ddp" in figures and "bucketddp" in figures:
         out.update(_compare(figures["bucketddp"], figures["torch_ddp"]))
         out["cpu_ratio"] = figures["bucketddp"]["cpu_ms"] / figures["torch_ddp"]["cpu_ms"]
@@ -115,21 +135,34 @@ def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
                 )
             ]
         )
-    # Each variant against plain bucketddp: what its options cost.
+    # Each variant against plain bucketddp (what its options cost) and torch DDP; one that
+    # turns a default-on feature off also gives that feature's cost, bucketddp over it.
     out["variants"] = {}
     for name, options in raw.get("variant_options", {}).items():
         if name in figures and "bucketddp" in figures:
             ours, base = figures[name], figures["bucketddp"]
-            out["variants"][name] = {
+            entry = out["variants"][name] = {
                 **_compare(ours, base),
                 "cpu_ratio": ours["cpu_ms"] / base["cpu_ms"],
                 "options": options,
+                "bucket_mb": raw.get("variant_bucket_mb", {}).get(name),
+                "tuning": raw.get("variant_tuning", {}).get(name),
             }
+            if "torch_ddp" in figures:
+                entry["vs_torch_ddp"] = _compare(ours, figures["torch_ddp"])
+            if turns_off(options):
+                entry["on_off"] = _compare(base, ours)
     kept = ("bucketddp_buckets", "bucketddp_bucket_mb", "bucketddp_collectives")
     for key in (*kept, "torch_ddp_bucket_mb"):
         if key in raw:
             out[key] = raw[key]
     return out
+
+
+def turns_off(options: dict[str, Any]) -> bool:
+    """Whether a variant's options only switch off features that are on by default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineOptions)}
+    return bool(options) and all(v is False and defaults.get(k) is True for k, v in options.items())
 
 
 POOL_KEYS = ("steps", "warmup", "batch_size", "bucket_cap_mb", "first_bucket_mb", "comm_hook")
@@ -170,6 +203,7 @@ def pool_reports(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any
                         entry.setdefault(f"{prefix}ratio_of_medians", []).append(
                             res[f"{prefix}ratio_of_medians"]
                         )
+                _pool_extras(entry, res)
     for models in pooled.values():
         for entry in models.values():
             for prefix in ("", "null_"):
@@ -177,4 +211,38 @@ def pool_reports(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any
                     ratios = entry[f"{prefix}round_ratios"]
                     entry[f"{prefix}median_round_ratio"] = median(ratios)
                     entry[f"{prefix}round_ratio_ci95"] = list(bootstrap_ci(ratios))
+            for series in _series(entry):
+                series["median"] = median(series["values"])
+                series["ci95"] = list(bootstrap_ci(series["values"]))
     return pooled
+
+
+def _pool_extras(entry: dict[str, Any], res: dict[str, Any]) -> None:
+    """Add one run's per-round wire, beyond-the-wire and variant figures to ``entry``."""
+
+    def extend(where: dict[str, Any], key: str, values: Sequence[float]) -> None:
+        where.setdefault(key, {"values": []})["values"].extend(values)
+
+    systems = res.get("systems", {})
+    if ALLREDUCE in systems:
+        extend(entry, "wire_ms", systems[ALLREDUCE]["round_medians_ms"])
+    for s, f in systems.items():
+        if "beyond_wire_round_ms" in f:
+            extend(entry.setdefault("beyond_wire_ms", {}), s, f["beyond_wire_round_ms"])
+    for name, v in res.get("variants", {}).items():
+        pooled = entry.setdefault("variants", {}).setdefault(name, {"options": v["options"]})
+        extend(pooled, "bucketddp", v["round_ratios"])
+        for key in ("vs_torch_ddp", "on_off"):
+            if key in v:
+                extend(pooled, key, v[key]["round_ratios"])
+        if v.get("tuning"):
+            pooled.setdefault("tuned", []).append(v["tuning"])
+
+
+def _series(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pooled value lists of ``_pool_extras`` in ``entry``, to summarize."""
+    out = [entry["wire_ms"]] if "wire_ms" in entry else []
+    out += list(entry.get("beyond_wire_ms", {}).values())
+    for v in entry.get("variants", {}).values():
+        out += [v[key] for key in ("bucketddp", "vs_torch_ddp", "on_off") if key in v]
+    return out

@@ -61,7 +61,7 @@ def test_default_buckets_match_torch_ddp_and_peak_memory_is_the_median_of_fresh_
         pytest.skip("this torch's DDP does not report its rebuilt bucket sizes")
     assert len(theirs) >= 2  # a small first bucket, then the rest
     assert result["bucketddp_bucket_mb"] == pytest.approx(theirs, abs=0.01)
-    assert set(result["systems"]) == {"local", "torch_ddp", "bucketddp"}
+    assert set(result["systems"]) == {"local", "torch_ddp", "bucketddp", "allreduce"}
     lo, hi = result["round_ratio_ci95"]
     assert lo <= result["median_round_ratio"] <= hi
 
@@ -103,11 +103,35 @@ def test_first_bucket_comm_hook_null_and_malloc_options_reach_the_run(tmp_path: 
     assert {s["malloc_mmap_kb"] for s in memory["transformer"].values()} == {64}
     assert result["bucketddp_buckets"] == 1
     assert result["bucketddp_collectives"] == 2
-    assert set(result["systems"]) == {"local", "torch_ddp", "bucketddp", "torch_ddp_b"}
+    assert set(result["systems"]) == {"local", "allreduce", "torch_ddp", "bucketddp", "torch_ddp_b"}
     ours, null = result["systems"]["torch_ddp_b"], result["systems"]["torch_ddp"]
     assert result["null_round_ratios"] == [
         a / b for a, b in zip(ours["round_medians_ms"], null["round_medians_ms"], strict=True)
     ]
+
+
+def test_overheads_time_the_wire_and_tune_auto_before_the_timed_rounds(tmp_path: Path) -> None:
+    # --overheads adds the variants that turn telemetry and the watchdog off, the finite
+    # check and "auto" sizes; the rounds also time the wire, a standalone all-reduce. "auto"
+    # is tuned in untimed steps first. Pooling the run with itself carries all of it along.
+    result = run_bench(tmp_path, "--overheads")
+    systems = result["systems"]
+    assert {"allreduce", "bucketddp_auto", "bucketddp_no_watchdog"} <= set(systems)
+    for s in ("torch_ddp", "bucketddp", "bucketddp_auto"):
+        f = systems[s]
+        assert f["beyond_wire_ms"] == pytest.approx(
+            f["median_ms"] - systems["local"]["median_ms"] - result["wire_ms"]
+        )
+    variants = result["variants"]
+    assert "on_off" in variants["bucketddp_no_telemetry"]
+    assert "on_off" not in variants["bucketddp_finite"]
+    auto = variants["bucketddp_auto"]
+    assert auto["options"] == {"bucket_cap_mb": "auto"} and "vs_torch_ddp" in auto
+    assert auto["tuning"]["steps"] >= 2 and auto["tuning"]["bucket_cap_mb"] > 0
+    proc = run_pool(tmp_path / "engine.json", tmp_path / "engine.json")
+    assert proc.returncode == 0, proc.stderr
+    assert "beyond the wire, bucketddp ms:" in proc.stdout
+    assert "bucketddp_no_watchdog/bucketddp" in proc.stdout and "(the cost)" in proc.stdout
 
 
 @functools.cache
