@@ -145,4 +145,3 @@ class BucketTuner:
             *self.choice,
             ", ".join(f"{c[0]:g}/{c[1]:g}: {m * 1e3:.2f}" for c, m in self.medians),
         )
-
