@@ -1,8 +1,8 @@
 # Thin aliases for dev.py, which needs only Python and pip (see README).
 PYTHON ?= python3
 
-.PHONY: demo test bench lint clean
-demo test bench lint:
+.PHONY: demo test bench plots lint clean
+demo test bench plots lint:
 	$(PYTHON) dev.py $@
 
 clean:

@@ -207,19 +207,26 @@ def train_steps(
         torch.cuda.synchronize()
     for batch in batches:
         c0 = time.process_time()
-        t0 = time.perf_counter()
-        loss = loss_fn(model, batch)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        t3 = time.perf_counter()
+        t0, t1, t2, t3 = timed_step(model, optimizer, batch, cuda)
         wait = model.comm_stats.wait_seconds if isinstance(model, BucketDataParallel) else 0.0
         rows.append([t3 - t0, t1 - t0, t2 - t1, t3 - t2, wait, time.process_time() - c0])
     return rows
+
+
+def timed_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cuda: bool = False
+) -> tuple[float, float, float, float]:
+    """One training step; ``perf_counter()`` at its start, backward, optimizer step and end."""
+    t0 = time.perf_counter()
+    loss = loss_fn(model, batch)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    return t0, t1, t2, time.perf_counter()
 
 
 def time_model(

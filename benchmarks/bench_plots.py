@@ -45,11 +45,12 @@ from bench_harness import (
     run_meta,
     run_ranks,
     time_model,
+    timed_step,
 )
 from bench_stats import summarize
 from bucketddp import BucketDataParallel
 from bucketddp.buckets import ParamInfo, cap_bytes, plan_buckets
-from models import MODELS, loss_fn
+from models import MODELS
 
 HERE = Path(__file__).resolve().parent
 IMAGES = HERE.parent / "docs" / "images"
@@ -117,14 +118,7 @@ def record_steps(
     batches = make_batches(spec, Config(1, steps, warmup, None, 1), rank, 0, warmup + steps)
     out = []
     for batch in batches:
-        t0 = time.perf_counter()
-        loss = loss_fn(model, batch)
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
+        t0, t1, t2, t3 = timed_step(model, optimizer, batch)
         stats = model.comm_stats
         out.append(
             {
