@@ -173,7 +173,10 @@ def print_pooled(pooled: dict[str, Any], runs: int) -> None:
             if "wire_ms" in e:
                 print(f"{'':<16} wire ms: {_pooled(e['wire_ms'], '.1f')}")
                 for s, series in e.get("beyond_wire_ms", {}).items():
-                    print(f"{'':<16} beyond the wire, {s} ms: {_pooled(series, '+.1f')}")
+                    print(
+                        f"{'':<16} beyond the wire, {s} ms: {series['of_medians']:+.1f} (of the "
+                        f"medians); per round {_pooled(series, '+.1f')}"
+                    )
             for name, v in e.get("variants", {}).items():
                 line = f"{'':<16} {name}/bucketddp {_pooled(v['bucketddp'])}"
                 if "vs_torch_ddp" in v:

@@ -214,6 +214,12 @@ def pool_reports(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any
             for series in _series(entry):
                 series["median"] = median(series["values"])
                 series["ci95"] = list(bootstrap_ci(series["values"]))
+            steps = entry.pop("step_ms", None)
+            if steps is not None:
+                # As in one run's table: the medians of all steps, local's and the wire's off.
+                floor = median(steps["local"]) + median(steps[ALLREDUCE])
+                for s, series in entry["beyond_wire_ms"].items():
+                    series["of_medians"] = median(steps[s]) - floor
     return pooled
 
 
@@ -226,6 +232,10 @@ def _pool_extras(entry: dict[str, Any], res: dict[str, Any]) -> None:
     systems = res.get("systems", {})
     if ALLREDUCE in systems:
         extend(entry, "wire_ms", systems[ALLREDUCE]["round_medians_ms"])
+        for s, f in systems.items():  # every timed step, for the medians of all runs
+            entry.setdefault("step_ms", {}).setdefault(s, []).extend(
+                ms for rnd in f["step_ms"] for ms in rnd
+            )
     for s, f in systems.items():
         if "beyond_wire_round_ms" in f:
             extend(entry.setdefault("beyond_wire_ms", {}), s, f["beyond_wire_round_ms"])
