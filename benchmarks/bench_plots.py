@@ -47,7 +47,7 @@ from bench_harness import (
     time_model,
     timed_step,
 )
-from bench_stats import summarize
+from bench_stats import median, quantile, summarize
 from bucketddp import BucketDataParallel
 from bucketddp.buckets import ParamInfo, cap_bytes, plan_buckets
 from models import MODELS
@@ -95,9 +95,9 @@ def measure_sweep(model_name: str, rounds: int, steps: int, warmup: int) -> dict
     res = summarize(raw, systems)
     figures = res["systems"]
 
-    def point(s: str) -> dict[str, float]:
+    def point(s: str) -> dict[str, Any]:
         f = figures[s]
-        return {k: f[k] for k in ("median_ms", "p25_ms", "p75_ms", "comm_wait_ms")}
+        return {k: f[k] for k in ("median_ms", "round_medians_ms", "comm_wait_ms")}
 
     return {
         "gradient_mb": res["gradient_mb"],
@@ -146,6 +146,11 @@ def measure_timeline(model_name: str, cap_mb: float | None) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------- drawing
+def _ratios(rounds: list[float], theirs: list[float]) -> list[float]:
+    """Round by round, a system's median step over torch DDP's."""
+    return [a / b for a, b in zip(rounds, theirs, strict=True)]
+
+
 def draw_sweep(data: dict[str, Any], path: Path) -> None:
     """Step time (top) and exposed wait (bottom) against the bucket size, a column a model."""
     models = data["sweep"]
@@ -159,10 +164,12 @@ def draw_sweep(data: dict[str, Any], path: Path) -> None:
     for col, (name, m) in enumerate(models.items()):
         top, bottom = axes[0, col], axes[1, col]
         caps, points, ref = m["caps"], m["sweep"], m["reference"]
-        med = [p["median_ms"] for p in points]
+        theirs = ref["torch_ddp"]["round_medians_ms"]
+        per_cap = [_ratios(p["round_medians_ms"], theirs) for p in points]
+        med = [median(r) for r in per_cap]
         err = [
-            [p["median_ms"] - p["p25_ms"] for p in points],
-            [p["p75_ms"] - p["median_ms"] for p in points],
+            [m_ - quantile(r, 0.25) for m_, r in zip(med, per_cap, strict=True)],
+            [quantile(r, 0.75) - m_ for m_, r in zip(med, per_cap, strict=True)],
         ]
         top.errorbar(
             caps,
@@ -171,32 +178,49 @@ def draw_sweep(data: dict[str, Any], path: Path) -> None:
             marker="o",
             color="tab:blue",
             capsize=3,
-            label="bucketddp, every bucket this size (median, p25-p75)",
+            label="bucketddp, every bucket this size (p25-p75 of the rounds)",
         )
         bottom.plot(caps, [p["comm_wait_ms"] for p in points], marker="o", color="tab:blue")
-        floor = ref["local"]["median_ms"] + ref[ALLREDUCE]["median_ms"]
-        top.axhline(floor, color="black", lw=1, label="floor: no-comm step + one all-reduce")
+        floor = [
+            a + b
+            for a, b in zip(
+                ref["local"]["round_medians_ms"], ref[ALLREDUCE]["round_medians_ms"], strict=True
+            )
+        ]
+        top.axhline(
+            median(_ratios(floor, theirs)),
+            color="black",
+            lw=1,
+            label="floor: no-comm step + one all-reduce",
+        )
         for s, (label, color, style) in styles.items():
-            top.axhline(ref[s]["median_ms"], color=color, ls=style, label=label)
+            top.axhline(
+                median(_ratios(ref[s]["round_medians_ms"], theirs)),
+                color=color,
+                ls=style,
+                label=label,
+            )
             if s != "torch_ddp":  # torch DDP reports no wait
                 bottom.axhline(ref[s]["comm_wait_ms"], color=color, ls=style)
-        top.set_title(f"{name} ({m['gradient_mb']:.1f} MB of gradients)")
-        top.set_ylim(bottom=0)
+        top.set_title(
+            f"{name}: {m['gradient_mb']:.1f} MB of gradients,\n"
+            f"torch DDP {ref['torch_ddp']['median_ms']:.0f} ms a step"
+        )
         bottom.set_ylim(bottom=0)
         bottom.set_xscale("log", base=2)
         bottom.set_xticks(caps, [f"{c:g}" for c in caps])
         bottom.set_xlabel("bucket_cap_mb = first_bucket_mb (MB)")
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
-    axes[0, 0].set_ylabel("step time (ms)")
-    axes[1, 0].set_ylabel("exposed wait at end of backward (ms)")
+    axes[0, 0].set_ylabel("step time / torch DDP's\n(median of round ratios)")
+    axes[1, 0].set_ylabel("exposed wait at the end\nof backward (ms)")
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, frameon=False)
     meta = data["meta"]
     fig.suptitle(
         "bucketddp's step time and exposed communication against bucket size\n"
         f"2 ranks, gloo, {meta['cpus']} CPU cores, torch {meta['torch']}; "
-        "medians of interleaved rounds"
+        "each system against torch DDP in the same round, median over rounds"
     )
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=90, bbox_inches="tight")
@@ -278,8 +302,8 @@ def draw_timeline(data: dict[str, Any], path: Path) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default 4)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round (default 5)")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per round (default 4)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per round (default 2)")
     p.add_argument("--timeline-model", choices=list(MODELS), default="deep_transformer")
     p.add_argument(
