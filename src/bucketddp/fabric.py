@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from .buffers import Policy
+from .fabric_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
 from .options import DEFAULT_STALL_TIMEOUT, EngineOptions
 from .parallel import BucketDataParallel
 from .strategy_common import (
@@ -44,7 +45,6 @@ from .strategy_common import (
     is_post_local_sgd,
     register_twins,
 )
-from .strategy_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
 from .syncbn import convert_sync_batchnorm
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
