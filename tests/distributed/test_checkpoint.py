@@ -66,7 +66,9 @@ def _new(wrap: Any) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
 
 def _resume_loop(rank: int, world: int, base: str) -> dict[str, Any]:
     os.chdir(os.path.join(base, f"rank{rank}"))
-    opened = _record_opens("step3") if rank else []
+    opened = _record_opens(".pt") if rank else []
+    if rank:
+        open("probe.pt", "w").close()  # the hook is live: this one must be recorded
     # Six steps straight, under BucketDataParallel and under torch DDP.
     model, wrapped, opt = _new(BucketDataParallel)
     _train(wrapped, opt, rank, range(6))
@@ -153,7 +155,7 @@ def test_hand_written_loop_resumes_from_rank0_only_checkpoint(tmp_path: Path) ->
         (tmp_path / f"rank{rank}").mkdir()
     r0, r1 = run_ranks(_resume_loop, 2, str(tmp_path))
     assert not (tmp_path / "rank1" / "checkpoints").exists()
-    assert r1["opened"] == []  # rank 1 never opened either checkpoint
+    assert r1["opened"] == ["probe.pt"]  # rank 1 never opened either checkpoint
     for r in (r0, r1):
         assert r["adopted"]
         _assert_equal(r["resumed"], r["straight"])  # bit for bit, weights and Adam state
