@@ -80,6 +80,15 @@ def test_rank0_only_checkpoint_resumes_exactly(resumed: tuple[Path, list[dict[st
             _assert_like_ddp(r[label]["weights"], r[f"{label}/ddp"]["weights"], rank)
 
 
+def test_missing_on_rank0_fails_on_every_rank(
+    resumed: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    out = resumed[0]
+    for r in resumed[1]:
+        assert "'checkpoints/missing.ckpt' not found on rank 0" in r["missing"]
+        assert str(out / "node0" / "checkpoints" / "missing.ckpt") in r["missing"]
+
+
 def test_where_resuming_is_not_exact(resumed: tuple[Path, list[dict[str, Any]]]) -> None:
     # Two cases docs/strategy.md warns of, under "ddp" alike (compared in the test above):
     # - mid-epoch with a plain DataLoader, which has no state: Lightning starts its epoch

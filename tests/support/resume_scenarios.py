@@ -185,6 +185,13 @@ def resume(out: Path, ws1_checkpoint: str) -> dict[str, Any]:
         shutil.copy(ws1_checkpoint, "checkpoints/ws1.ckpt")
     result["from_ws1"] = _resume(BucketDDP(), "checkpoints/ws1.ckpt", 12, stateful=False)
     result["from_ws1/ddp"] = _resume("ddp", ws1_checkpoint, 12, stateful=False)
+
+    # 6. A path rank 0 does not see either: the same error on every rank, no hang.
+    try:
+        _resume(BucketDDP(), "checkpoints/missing.ckpt", 8)
+        result["missing"] = None
+    except FileNotFoundError as err:
+        result["missing"] = str(err)
     return result
 
 
