@@ -276,6 +276,6 @@ def _status(field: str) -> int:
 def test_receiving_rank_holds_the_checkpoint_once() -> None:
     mb, chunk = 48, 4.0
     _, r1 = run_ranks(_peak_rss, 2, mb, chunk)
-    # The received tensors, plus one staging piece at most and some slack: a pickled blob
-    # of the whole state would need the state two or three times over.
-    assert r1["extra_mb"] < mb + chunk + 12, r1
+    # The received tensors (48 MB), one staging piece (4 MB) and some slack: about 60 MB
+    # here. A pickled blob of the whole state needs the state two or three times over.
+    assert r1["extra_mb"] < 1.5 * mb, r1
