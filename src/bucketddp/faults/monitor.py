@@ -237,9 +237,7 @@ class Watchdog:
             self._exit_if_stuck()
 
     def _on_error(self, error: Exception) -> None:
-        try:
-            self.board.events()
-        except Exception:
+        if _store_lost(error):
             # The store stopped answering: its host (rank 0) is gone. That ends this rank
             # only while it waits on the others; otherwise the job may just be over. Either
             # way there is no board left to watch (and each try would print c10d's warning).
@@ -365,6 +363,14 @@ class Watchdog:
 
 def _unreachable() -> dict[str, Any]:
     return {"rank": 0, "kind": "unreachable"}
+
+
+def _store_lost(exc: BaseException) -> bool:
+    """Whether a store call failed because the store's host is gone."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(
+        s in text for s in ("Broken pipe", "Connection reset", "Connection refused", "closed")
+    )
 
 
 def _collective(exc: BaseException) -> bool:
