@@ -10,11 +10,13 @@ thread of a rank that hung (dumped just before it is killed) or died of a signal
 abort, a segfault), from ``faulthandler``.
 
 Processes come from a forkserver that has torch preloaded, so a rank starts in a fraction
-of a second instead of re-importing torch; ``preload`` adds modules to it (the test suite's
-conftest.py adds ``torch._dynamo``), and ``fresh=True`` starts the ranks in new interpreters
-instead, for a check of what a program imports. Each rank runs one intra-op thread, and the
-parent sleeps on the ranks' pipes while they run, so the ranks of a benchmark have the
-machine's cores to themselves. The benchmarks import this module from ``tests/support``.
+of a second instead of re-importing torch. ``MULTIRANK_PRELOAD`` (module names, comma
+separated) adds to what it imports: the test suite sets ``torch._dynamo``
+(tests/conftest.py), for itself and the benchmark runs it starts. ``fresh=True`` starts the
+ranks in new interpreters instead, for a check of what a program imports. Each rank runs
+one intra-op thread, and the parent sleeps on the ranks' pipes while they run, so the ranks
+of a benchmark have the machine's cores to themselves. The benchmarks import this module
+from ``tests/support``.
 """
 
 from __future__ import annotations
@@ -38,18 +40,9 @@ import torch
 import torch.distributed as dist
 
 _CTX = mp.get_context("forkserver")
-_PRELOAD = ["torch", "torch.distributed", "bucketddp"]
-_CTX.set_forkserver_preload(_PRELOAD)
+_EXTRA = [name for name in os.environ.get("MULTIRANK_PRELOAD", "").split(",") if name]
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "bucketddp", *_EXTRA])
 _FRESH = mp.get_context("spawn")
-
-
-def preload(*modules: str) -> None:
-    """Have every rank start with ``modules`` imported as well.
-
-    The forkserver imports them once, when the first launch starts it; a later call changes
-    nothing.
-    """
-    _CTX.set_forkserver_preload([*_PRELOAD, *modules])
 
 
 class RankError(AssertionError):
