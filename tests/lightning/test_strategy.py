@@ -112,6 +112,7 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
         "init_sync": True,
         "forward_sync_buffers": None,
         "check_finite": False,
+        "telemetry": True,
         "watchdog": True,
         "stall_timeout": 600.0,
     }
