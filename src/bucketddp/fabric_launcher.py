@@ -68,16 +68,21 @@ class WatchedFabricScriptLauncher(_SubprocessScriptLauncher):
         return launch_watched(self, function, args, kwargs)
 
 
-class WatchedFabricProcessLauncher(_MultiProcessingLauncher):
-    """Fabric's spawn/fork launcher (``fabric.launch(fn)``); a rank's exception is posted.
+class PostsExceptions:
+    """Mixin for Lightning's spawn/fork launchers: a rank's exception is posted.
 
-    Under it an exception in a rank is sent to the main process, not raised at the top of
-    the rank's own process, so it is posted here.
+    Under them an exception in a rank is sent to the main process, not raised at the top of
+    the rank's own process (nor, for the Trainer, through the strategy's ``on_exception``
+    there), so it is posted here for the other ranks.
     """
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         try:
-            super()._wrapping_function(*args, **kwargs)
+            super()._wrapping_function(*args, **kwargs)  # type: ignore[misc]
         except BaseException as exc:
             post_exception(exc)
             raise
+
+
+class WatchedFabricProcessLauncher(PostsExceptions, _MultiProcessingLauncher):
+    """Fabric's spawn/fork launcher (``fabric.launch(fn)``); a rank's exception is posted."""

@@ -13,7 +13,7 @@ from typing import Any
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-from .fabric_launcher import launch_watched, post_exception
+from .fabric_launcher import PostsExceptions, launch_watched
 from .faults.monitor import GRACE
 
 
@@ -38,16 +38,5 @@ class WatchedScriptLauncher(_SubprocessScriptLauncher):
         super().kill(signum)
 
 
-class WatchedProcessLauncher(_MultiProcessingLauncher):
-    """The Trainer's spawn/fork launcher; a rank's exception is posted for the others.
-
-    Under it an exception in a rank never reaches the strategy's ``on_exception`` in that
-    process (the launcher sends it to the main process instead), so it is posted here.
-    """
-
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        try:
-            super()._wrapping_function(*args, **kwargs)
-        except BaseException as exc:
-            post_exception(exc)
-            raise
+class WatchedProcessLauncher(PostsExceptions, _MultiProcessingLauncher):
+    """The Trainer's spawn/fork launcher; a rank's exception is posted for the others."""

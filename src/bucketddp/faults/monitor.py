@@ -282,6 +282,11 @@ class Watchdog:
         faults = [f for f in self.board.faults() if f["rank"] != self.rank]
         if faults and not self._peer_faults:
             self._peer_seen_at = time.monotonic()
+            if not self._failing:
+                # Said at once: a launcher may end this process before the error is raised.
+                print(
+                    f"bucketddp: {failed_message(self.rank, faults)}", file=sys.stderr, flush=True
+                )
         self._peer_faults = faults
         if not self._reported and self.board.alarmed():
             self._reported = True
@@ -335,7 +340,8 @@ class Watchdog:
         self._neighbour = None
 
     def _end(self, kind: type[RuntimeError], message: str) -> None:
-        print(f"bucketddp: {message}", file=sys.stderr, flush=True)
+        if kind is not RankFailedError or self._peer_seen_at is None:
+            print(f"bucketddp: {message}", file=sys.stderr, flush=True)
         self._pending = (kind, message)
         self._interrupted_at = time.monotonic()
         record = self._record(kind="raised", secondary=True)
