@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _registry
 from .buckets import Bucket, BucketPlan
+from .checkpoint import broadcast_checkpoint, load_checkpoint
 from .faults import RankFailedError, RankStalledError
 from .parallel import BucketDataParallel
 from .reducer import CommStats
@@ -35,7 +36,9 @@ __all__ = [
     "RankFailedError",
     "RankStalledError",
     "SyncBatchNorm",
+    "broadcast_checkpoint",
     "convert_sync_batchnorm",
+    "load_checkpoint",
     "revert_sync_batchnorm",
 ]
 

@@ -11,13 +11,16 @@ What follows from the change lives here too:
   parameters are averaged after every ``model_averaging_period`` optimizer steps;
 - ``fabric.save`` syncs buffers by their policies and writes the module without the
   wrapper, with the learned bucket order under ``checkpoint["bucketddp"]``, which
-  ``fabric.load`` takes back out and adopts.
+  ``fabric.load`` takes back out and adopts;
+- ``fabric.load`` of a file only rank 0 can see reads it there and sends it to the others
+  (``bucketddp.checkpoint``).
 
 Besides ``strategy.py``, this is the only module of the package that imports Lightning.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -25,16 +28,20 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from .buffers import Policy
+from .checkpoint import Source, check_source, load_checkpoint, strip_prefix
+from .fabric_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
 from .options import DEFAULT_STALL_TIMEOUT, EngineOptions
 from .parallel import BucketDataParallel
 from .strategy_common import (
@@ -44,7 +51,6 @@ from .strategy_common import (
     is_post_local_sgd,
     register_twins,
 )
-from .strategy_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
 from .syncbn import convert_sync_batchnorm
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
@@ -56,7 +62,7 @@ from .syncbn import convert_sync_batchnorm
 #   ``_determine_ddp_device_ids``, overridden or called below.
 if TYPE_CHECKING:
     from lightning.fabric.accelerators import Accelerator
-    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+    from lightning.fabric.plugins import ClusterEnvironment, Precision
     from lightning.fabric.strategies.registry import _StrategyRegistry
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
@@ -100,13 +106,18 @@ class BucketFabricDDP(DDPStrategy):
             ``PostLocalSGDState``, refused without one.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
         process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
+        checkpoint_source: who reads the file in ``fabric.load``: ``"auto"`` (rank 0 reads
+            and sends it when some rank does not see it; else each rank reads its own),
+            ``"rank0"`` (always rank 0) or ``"local"`` (each rank). See
+            ``bucketddp.load_checkpoint``.
 
     Raises:
         TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm``
             other than True or False.
         ValueError: a bad engine option (see ``EngineOptions``), a hook state or wrapper
-            without a hook, or a ``model_averaging_period`` that is missing with a
-            ``PostLocalSGDState``, given without one, or not a positive integer.
+            without a hook, a ``model_averaging_period`` that is missing with a
+            ``PostLocalSGDState``, given without one, or not a positive integer, or an
+            unknown ``checkpoint_source``.
     """
 
     def __init__(
@@ -142,8 +153,10 @@ class BucketFabricDDP(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        checkpoint_source: Source = "auto",
     ) -> None:
         self._options = StrategyOptions.from_arguments(locals(), UNUSED_HINT)
+        self._checkpoint_source = check_source(checkpoint_source)
         # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``: ours, checked,
         # for code that reads them there; ``setup_module`` passes the options themselves.
         super().__init__(
@@ -231,9 +244,11 @@ class BucketFabricDDP(DDPStrategy):
     def load_module_state_dict(
         self, module: Module, state_dict: dict[str, Any], strict: bool = True
     ) -> None:
-        """Load into the module inside the wrapper (its keys have no ``module.`` prefix)."""
+        """Load into the module inside the wrapper; keys saved from a wrapper (every key
+        ``module.*``) load too."""
         if isinstance(module, BucketDataParallel):
             module = module.module
+        state_dict = dict(strip_prefix(state_dict, model_keys=module.state_dict().keys()))
         super().load_module_state_dict(module, state_dict, strict=strict)
 
     @override
@@ -262,9 +277,17 @@ class BucketFabricDDP(DDPStrategy):
         """Restore ``state``; a model of this strategy in it adopts the saved bucket order.
 
         The order entry is taken out of what is returned, so the remainder holds what the
-        user saved.
+        user saved. A file only rank 0 sees is read there and sent to the other ranks
+        (``checkpoint_source``).
         """
-        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        io = self.checkpoint_io
+        self.checkpoint_io = _ReadThroughRank0(io, self._checkpoint_source)
+        try:
+            remainder = super().load_checkpoint(
+                path, state, strict=strict, weights_only=weights_only
+            )
+        finally:
+            self.checkpoint_io = io
         saved = remainder.get(CHECKPOINT_KEY)
         if not (isinstance(saved, dict) and "bucket_order" in saved):
             return remainder  # no entry of ours (a key of the user's own is left alone)
@@ -286,6 +309,32 @@ class BucketFabricDDP(DDPStrategy):
         "bucket_ddp_spawn", "bucket_ddp_fork", "bucket_ddp_notebook" and
         "bucket_ddp_find_unused_parameters_true")."""
         register_twins(cls, strategy_registry, "fabric")
+
+
+class _ReadThroughRank0(CheckpointIO):
+    """The strategy's CheckpointIO, its reads going through ``bucketddp.load_checkpoint``."""
+
+    def __init__(self, io: CheckpointIO, source: Source) -> None:
+        self.io, self.source = io, source
+
+    @override
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        read = functools.partial(self.io.load_checkpoint, weights_only=weights_only)
+        exists = lambda p: get_filesystem(p).exists(p)  # noqa: E731
+        loaded: dict[str, Any] = load_checkpoint(path, source=self.source, read=read, exists=exists)
+        return loaded
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        self.io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        self.io.remove_checkpoint(path)
 
 
 class _BucketBackwardSyncControl(_BackwardSyncControl):

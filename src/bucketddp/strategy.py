@@ -10,6 +10,8 @@ while fitting, the LightningModule is wrapped in ``BucketDataParallel`` instead 
 - buffers are synced by their policies before validation, before a checkpoint is written
   and at the end of fit;
 - the learned bucket order travels in the checkpoint under ``checkpoint["bucketddp"]``;
+- a checkpoint only rank 0 can see is read there and sent to the others
+  (``bucketddp.checkpoint``);
 - ``sync_batchnorm`` converts BatchNorm layers to ``bucketddp.SyncBatchNorm``, which also
   works on CPU/gloo, and converts them back at teardown.
 
@@ -18,6 +20,7 @@ This is the only module of the package that imports Lightning.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -25,6 +28,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -37,6 +41,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from .buffers import Policy
+from .checkpoint import Source, check_source, load_checkpoint, strip_prefix
 from .faults import PROGRESS
 from .faults import current as current_watchdog
 from .faults.progress import CHECKPOINT, COLLECTIVE
@@ -141,13 +146,18 @@ class BucketDDP(DDPStrategy):
             Required with a ``PostLocalSGDState``, refused without one.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
         process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
+        checkpoint_source: who reads ``ckpt_path``: ``"auto"`` (rank 0 reads and sends it
+            to the ranks when some rank does not see the file; else each rank reads its
+            own), ``"rank0"`` (always rank 0) or ``"local"`` (each rank, as ``"ddp"``).
+            See ``bucketddp.load_checkpoint``.
 
     Raises:
         TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm``
             other than True or False.
         ValueError: a bad engine option (see ``EngineOptions``), a hook state or wrapper
-            without a hook, or a ``model_averaging_period`` that is missing with a
-            ``PostLocalSGDState``, given without one, or not a positive integer.
+            without a hook, a ``model_averaging_period`` that is missing with a
+            ``PostLocalSGDState``, given without one, or not a positive integer, or an
+            unknown ``checkpoint_source``.
     """
 
     def __init__(
@@ -183,8 +193,10 @@ class BucketDDP(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        checkpoint_source: Source = "auto",
     ) -> None:
         options = StrategyOptions.from_arguments(locals(), UNUSED_HINT)
+        self._checkpoint_source = check_source(checkpoint_source)
         self._engine_options = options.engine
         self._comm_hook = options.comm_hook
         # Set before DDPStrategy.__init__, which assigns ``_layer_sync`` (our property).
@@ -375,12 +387,28 @@ class BucketDDP(DDPStrategy):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        """Read ``ckpt_path`` on every rank, or on rank 0 alone when another rank does not
+        see it: the others then receive it (``checkpoint_source``, ``docs/strategy.md``)."""
+        read = functools.partial(DDPStrategy.load_checkpoint, self, weights_only=weights_only)
+        exists = lambda path: get_filesystem(path).exists(path)  # noqa: E731
+        return load_checkpoint(
+            checkpoint_path, source=self._checkpoint_source, read=read, exists=exists
+        )
+
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load the weights, and the checkpoint's bucket order for the wrapper.
 
         Lightning loads before ``setup``, so the order is kept until ``configure_ddp`` wraps
-        the model; a load into an already wrapped model adopts it at once.
+        the model; a load into an already wrapped model adopts it at once. Weights saved
+        from a wrapper (every key ``module.*``) load too.
         """
+        assert self.lightning_module is not None
+        keys = self.lightning_module.state_dict().keys()
+        weights = strip_prefix(checkpoint["state_dict"], model_keys=keys)
+        if weights is not checkpoint["state_dict"]:
+            checkpoint = {**checkpoint, "state_dict": weights}
         entry = dict(checkpoint.get(CHECKPOINT_KEY) or {})
         super().load_model_state_dict(checkpoint, strict=strict)
         wrapped = self._wrapped

@@ -150,8 +150,10 @@ def test_bucket_ddp_on_one_gpu_matches_strategy_ddp(tmp_path: Path) -> None:
 
 
 def _auto_and_timings(rank: int, world: int) -> dict[str, Any]:
-    torch.manual_seed(0)
-    make = lambda: nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).cuda()  # noqa: E731
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).cuda()
+
     ours = BucketDataParallel(make(), bucket_cap_mb="auto")
     theirs = nn.parallel.DistributedDataParallel(make())
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]

@@ -112,5 +112,6 @@ def _eager_step_loads_dynamo(rank: int, world: int) -> bool:
 
 
 def test_eager_training_does_not_import_dynamo() -> None:
-    # Importing torch._dynamo takes about a second; an eager program never pays for it.
-    assert run_ranks(_eager_step_loads_dynamo, 1) == [False]
+    # Importing torch._dynamo takes about a second; an eager program never pays for it. The
+    # suite's ranks have it preloaded (tests/conftest.py): this one starts fresh.
+    assert run_ranks(_eager_step_loads_dynamo, 1, fresh=True) == [False]

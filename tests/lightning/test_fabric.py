@@ -88,10 +88,16 @@ def test_save_and_load_round_trip(ranks: list[dict[str, Any]]) -> None:
         assert r["saved_order"] and r["adopted_order"] == r["saved_order"]
         # The loaded "sum" counter is the agreed total that later steps add to.
         assert r["resumed_seen"] == 2 * ADDED_PER_FORWARD * 2 * STEPS
-    ckpt = torch.load(Path(ranks[0]["out"]) / "resume.ckpt", weights_only=True)
+    # The file was rank 0's alone; rank 1 received it and never opened it.
+    assert not (Path(ranks[0]["out"]) / "rank1" / "resume.ckpt").exists()
+    assert ranks[1]["opened"] == []
+    ckpt = torch.load(Path(ranks[0]["out"]) / "rank0" / "resume.ckpt", weights_only=True)
     assert not [k for k in ckpt["model"] if k.startswith("module.")]
     assert ckpt["bucketddp"] == {"bucket_order": ranks[0]["saved_order"]}
     assert ckpt["step"] == STEPS
+    # The same weights with every key "module.*" (as a wrapper saves them) load too.
+    for r in ranks:
+        assert_same(r["prefixed"], {k: ckpt["model"][k] for k in r["prefixed"]})
 
 
 def test_bad_options_fail_when_the_strategy_is_built() -> None:

@@ -112,6 +112,7 @@ def test_options_pass_through_and_bad_ones_fail_early() -> None:
         "init_sync": True,
         "forward_sync_buffers": None,
         "check_finite": False,
+        "telemetry": True,
         "watchdog": True,
         "stall_timeout": 600.0,
     }
@@ -381,10 +382,7 @@ def test_backbone_finetuning_matches_one_process(
 
 
 # ------------------------------------------------------------- fit, checkpoint, resume
-@pytest.fixture(scope="module")
-def lifecycle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("lifecycle")
-    return out, scenario("lifecycle", out)
+# The lifecycle fixture (one launch of the "lifecycle" scenario) is in conftest.py.
 
 
 def test_comm_monitor_logs_consistent_figures_through_the_csv_logger(
@@ -555,24 +553,6 @@ def test_nan_gradient_on_rank1_is_named_on_every_rank_with_check_finite(
         message = r["nonfinite_error"]
         assert message is not None
         assert "on rank 1 in ['net.3.weight'] (check_finite=True)" in message
-
-
-def test_resume_at_world_size_1(
-    lifecycle: tuple[Path, list[dict[str, Any]]], tmp_path: Path
-) -> None:
-    out, ranks = lifecycle
-    (r,) = scenario("resume_elsewhere", tmp_path, str(out / "checkpoints" / "step=4.ckpt"))
-    assert r["world_size"] == 1
-    saved = ranks[0]["observed"]["fit_validation"]["bucket_order"]
-    same, other = r["same_params"], r["other_params"]
-    assert same["order"] == saved
-    assert other["order"] is None  # learned again in the first backward
-    assert any("learned again" in line for line in r["log"])
-    for run in (same, other):
-        assert run["global_step"] == 8
-        # 4 steps at world size 2, then 4 at world size 1, each rank adding k per step.
-        assert run["seen"] == 2 * ADDED_PER_STEP * 4 + ADDED_PER_STEP * 4
-    assert_same(same["weights"], other["weights"])
 
 
 # ----------------------------------------------------------------- other launchers

@@ -9,6 +9,8 @@ torchrun. Every run builds its model from the same seed and reads the same batch
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -212,12 +214,21 @@ def _post_local_sgd(rank: int) -> dict[str, Any]:
 
 
 def _round_trip(rank: int, out: Path) -> dict[str, Any]:
-    """Train 4 steps, save, train 4 more; a new model loaded from the file trains the same."""
+    """Train 4 steps, save, train 4 more; a new model loaded from the file trains the same.
+
+    Each rank works in a directory of its own, so the file rank 0 writes under a relative
+    path is rank 0's alone: the other rank receives it in ``fabric.load``, and records
+    every file it opens to show it never opened that one.
+    """
+    os.makedirs(out / f"rank{rank}")
+    os.chdir(out / f"rank{rank}")
+    opened: list[str] = []
+    if rank:
+        sys.addaudithook(lambda e, a: opened.append(str(a[0])) if e == "open" else None)
     fabric = _fabric("bucket_ddp")
     model, optimizer = _setup(fabric)
     _loop(fabric, model, optimizer, range(STEPS))
-    path = out / "resume.ckpt"
-    fabric.save(path, {"model": model, "optimizer": optimizer, "step": STEPS})
+    fabric.save("resume.ckpt", {"model": model, "optimizer": optimizer, "step": STEPS})
     saved_order = model._forward_module.bucket_order
     _loop(fabric, model, optimizer, range(STEPS, 2 * STEPS))
     result: dict[str, Any] = {"straight": params(model.module), "saved_order": saved_order}
@@ -225,11 +236,21 @@ def _round_trip(rank: int, out: Path) -> dict[str, Any]:
     fabric = _fabric("bucket_ddp")
     model, optimizer = _setup(fabric, seed=1)  # other initial weights, overwritten by load
     state = {"model": model, "optimizer": optimizer, "step": 0}
-    result["remainder"] = fabric.load(path, state)
+    result["remainder"] = fabric.load("resume.ckpt", state)
     result["loaded_step"] = state["step"]
     result["adopted_order"] = model._forward_module.bucket_order
     _loop(fabric, model, optimizer, range(STEPS, 2 * STEPS))
     result["resumed"] = params(model.module)
     fabric.save(out / "resumed.ckpt", {"model": model})  # syncs the "sum" buffer
     result["resumed_seen"] = int(model.module.seen)
+
+    # Weights saved from a wrapper, every key "module.*", load into the model: a raw state
+    # dict, through fabric.load_raw, from rank 0's file too.
+    if rank == 0:
+        saved = torch.load("resume.ckpt", weights_only=True)["model"]
+        torch.save({f"module.{k}": v for k, v in saved.items()}, "prefixed.ckpt")
+    model, optimizer = _setup(fabric, seed=2)
+    fabric.load_raw("prefixed.ckpt", model)
+    result["prefixed"] = params(model.module)
+    result["opened"] = [p for p in opened if "resume.ckpt" in p or "prefixed.ckpt" in p]
     return result

@@ -333,6 +333,8 @@ def make_schedule(seed: int, world_sizes: Sequence[int] = WORLD_SIZES) -> Schedu
     must_find = branch or sparse_branch or (spare and not static)
     cap = rng.choice([None, 25.0, *TINY_MB])
     first = rng.choice([None, rng.choice(TINY_MB), cap])
+    if first is not None and cap is not None and first > cap:
+        first = cap  # a first bucket larger than the others is refused
     options: dict[str, Any] = {
         "bucket_cap_mb": cap,
         "first_bucket_mb": first,

@@ -80,3 +80,52 @@ def assert_same(
 
 def moved(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return any(not torch.equal(a[n], b[n]) for n in a if a[n].is_floating_point())
+
+
+def run_nodes(
+    script: Path, name: str, out: Path, nodes: int, *extra: str, timeout: float = 240
+) -> list[dict[str, Any]]:
+    """Run scenario ``name`` of ``script`` as ``nodes`` single-process "nodes", each started
+    here in a working directory of its own (``out/node<R>``), with the variables Lightning's
+    environment reads (``NODE_RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...), as a cluster's
+    launcher would. Returns what each rank saved to ``out/<name>.rank<R>.pt``, in rank order.
+    """
+    from multirank import free_port
+
+    paths = [str(ROOT / "src"), str(SUPPORT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in paths if p),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(nodes),
+        "LOCAL_RANK": "0",
+    }
+    procs = []
+    for node in range(nodes):
+        (out / f"node{node}").mkdir(parents=True, exist_ok=True)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), name, str(out), *extra],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**env, "NODE_RANK": str(node)},
+                cwd=out / f"node{node}",
+            )
+        )
+    outputs = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=timeout)
+            outputs.append(text.decode(errors="replace"))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name} did not finish within {timeout:.0f}s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for node, (p, text) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"node {node} exited with {p.returncode}:\n{text[-6000:]}"
+        assert "terminate called" not in text, text[-6000:]
+    return [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(nodes)]

@@ -394,6 +394,22 @@ def resume_elsewhere(out: Path, checkpoint: str) -> dict[str, Any]:
             "weights": weights(model),
         }
     result["log"] = records
+    # The ground truth at this world size: "ddp" resumed from the same file.
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(**QUIET, devices=devices, strategy="ddp", max_steps=8, limit_val_batches=0)
+    trainer.fit(model := Counting(policies=False), ckpt_path=checkpoint)
+    result["ddp"] = weights(model)
+    # A checkpoint of this world size at an epoch boundary, for tests/lightning/test_resume.py.
+    saving = ModelCheckpoint(dirpath=out, every_n_train_steps=8, filename=f"ws{devices}")
+    _fit(
+        BucketDDP(),
+        Counting,
+        devices=devices,
+        max_steps=8,
+        limit_val_batches=0,
+        enable_checkpointing=True,
+        callbacks=[saving],
+    )
     result["world_size"] = trainer.world_size
     return result
 

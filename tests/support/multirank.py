@@ -10,9 +10,13 @@ thread of a rank that hung (dumped just before it is killed) or died of a signal
 abort, a segfault), from ``faulthandler``.
 
 Processes come from a forkserver that has torch preloaded, so a rank starts in a fraction
-of a second instead of re-importing torch. Each rank runs one intra-op thread, and the
-parent sleeps on the ranks' pipes while they run, so the ranks of a benchmark have the
-machine's cores to themselves. The benchmarks import this module from ``tests/support``.
+of a second instead of re-importing torch. ``MULTIRANK_PRELOAD`` (module names, comma
+separated) adds to what it imports: the test suite sets ``torch._dynamo``
+(tests/conftest.py), for itself and the benchmark runs it starts. ``fresh=True`` starts the
+ranks in new interpreters instead, for a check of what a program imports. Each rank runs
+one intra-op thread, and the parent sleeps on the ranks' pipes while they run, so the ranks
+of a benchmark have the machine's cores to themselves. The benchmarks import this module
+from ``tests/support``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ import torch
 import torch.distributed as dist
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "bucketddp"])
+_EXTRA = [name for name in os.environ.get("MULTIRANK_PRELOAD", "").split(",") if name]
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "bucketddp", *_EXTRA])
+_FRESH = mp.get_context("spawn")
 
 
 class RankError(AssertionError):
@@ -173,19 +179,23 @@ def run_ranks(
     timeout: float = 90.0,
     env: dict[str, str] | None = None,
     backend: str = "gloo",
+    fresh: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return results by rank.
 
     ``fn`` must be importable (a module-level function). Results travel through
     ``torch.save``, so tensors, dicts and lists come back as they were. ``backend`` is gloo
     unless a CUDA test asks for nccl (rank ``r`` then uses GPU ``r`` modulo the GPU count).
+    ``fresh=True`` starts each rank in a new interpreter (spawn), which has imported only
+    what ``fn``'s module imports: seconds slower, for checks of what a program imports.
     """
+    ctx = _FRESH if fresh else _CTX
     port = free_port()
-    pipes = [_CTX.Pipe(duplex=False) for _ in range(world_size)]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     stack_dir = tempfile.mkdtemp(prefix="multirank-")
     stack_paths = [os.path.join(stack_dir, f"rank{rank}.txt") for rank in range(world_size)]
     procs = [
-        _CTX.Process(
+        ctx.Process(
             target=_worker,
             args=(
                 fn,

@@ -101,6 +101,7 @@ def test_lightning_is_imported_only_by_the_strategy_modules() -> None:
         "bucketddp.strategy",
         "bucketddp.fabric",
         "bucketddp.strategy_launcher",
+        "bucketddp.fabric_launcher",
         "bucketddp.comm_monitor",
     }
     assert importers == strategies, importers

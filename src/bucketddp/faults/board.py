@@ -11,8 +11,7 @@ Keys (one writer each, except the counters):
     faults          append-only log of fault records, one JSON object per line
     alarm           counter: a rank saw itself wait longer than the stall timeout
     reports         append-only log of stall reports (phase, step, stacks), one per line
-    beat/<rank>     a counter each rank's watchdog rewrites every interval
-    exit/<rank>     set when a rank stops its watchdog on a normal exit
+    beat/<rank>     each rank's progress, rewritten by its watchdog every interval
 """
 
 from __future__ import annotations
@@ -91,17 +90,6 @@ class Board:
         if not self._store.check([key]):
             return None
         return self._store.get(key).decode()
-
-    def mark_exit(self, record: dict[str, Any]) -> None:
-        """This rank stopped watching on a normal exit (or a destroyed process group)."""
-        self._store.set(f"exit/{self.rank}", json.dumps(record))
-
-    def exit_of(self, rank: int) -> dict[str, Any] | None:
-        """Rank ``rank``'s exit record, if it exited normally."""
-        key = f"exit/{rank}"
-        if not self._store.check([key]):
-            return None
-        return dict(json.loads(self._store.get(key)))
 
 
 def _records(raw: bytes) -> list[dict[str, Any]]:

@@ -98,6 +98,7 @@ class Watchdog:
         self._taken = False  # the main thread took the exception
         self._alarm_raised = False
         self._warned = False
+        self._board_gone = False  # the store stopped answering
         self._reported = False
         self._neighbour: tuple[str | None, float] | None = None
         self._stop = threading.Event()
@@ -170,13 +171,9 @@ class Watchdog:
         for r in ranks:
             if now[r] is not None and now[r] != before.get(r):
                 continue
-            exited = self.board.exit_of(r)
             beat = now[r]
             last = json.loads(beat) if beat else {"rank": r}
-            if exited is not None:
-                out.append({**exited, "kind": "exited"})
-            else:
-                out.append({**last, "rank": r, "kind": "died", "silent_s": silent_s})
+            out.append({**last, "rank": r, "kind": "died", "silent_s": silent_s})
         return out
 
     def _excepthook(
@@ -199,12 +196,9 @@ class Watchdog:
 
     def stop(self) -> None:
         """Stop watching: a normal exit, or the process group was destroyed."""
-        if self._stop.is_set():
-            return
+        # No last word to the store: its host (rank 0) may have exited first, and c10d
+        # would print a warning for the broken connection.
         self._stop.set()
-        if not self._failing:
-            with contextlib.suppress(Exception):  # the store host may have exited first
-                self.board.mark_exit(self._record(kind="exited"))
 
     # ----------------------------------------------------------- the watchdog thread
     def _run(self) -> None:
@@ -215,6 +209,11 @@ class Watchdog:
             if not dist.is_initialized():
                 self.stop()
                 return
+            if self._board_gone:
+                if self._interrupted_at is None:
+                    return  # nothing left to watch, nobody to end
+                self._exit_if_stuck()
+                continue
             try:
                 n += 1
                 self.board.beat(json.dumps(self._record(kind="beat", n=n)))
@@ -238,14 +237,14 @@ class Watchdog:
             self._exit_if_stuck()
 
     def _on_error(self, error: Exception) -> None:
-        try:
-            self.board.events()
-        except Exception:
+        if _store_lost(error):
             # The store stopped answering: its host (rank 0) is gone. That ends this rank
-            # only while it waits on the others; otherwise the job may just be over.
+            # only while it waits on the others; otherwise the job may just be over. Either
+            # way there is no board left to watch (and each try would print c10d's warning).
             waiting, _, _ = self.state()
             if waiting and self._pending is None and not self._failing:
                 self._end(RankFailedError, failed_message(self.rank, [_unreachable()]))
+            self._board_gone = True
             return
         if not self._warned:
             self._warned = True
@@ -283,6 +282,11 @@ class Watchdog:
         faults = [f for f in self.board.faults() if f["rank"] != self.rank]
         if faults and not self._peer_faults:
             self._peer_seen_at = time.monotonic()
+            if not self._failing:
+                # Said at once: a launcher may end this process before the error is raised.
+                print(
+                    f"bucketddp: {failed_message(self.rank, faults)}", file=sys.stderr, flush=True
+                )
         self._peer_faults = faults
         if not self._reported and self.board.alarmed():
             self._reported = True
@@ -327,7 +331,7 @@ class Watchdog:
             self._neighbour = (beat, now)
             return
         silent = now - self._neighbour[1]
-        if silent < SILENT_AFTER or self.board.exit_of(rank) is not None:
+        if silent < SILENT_AFTER:
             return
         last = json.loads(beat) if beat else {"rank": rank}
         self.board.post_fault(
@@ -336,7 +340,8 @@ class Watchdog:
         self._neighbour = None
 
     def _end(self, kind: type[RuntimeError], message: str) -> None:
-        print(f"bucketddp: {message}", file=sys.stderr, flush=True)
+        if kind is not RankFailedError or self._peer_seen_at is None:
+            print(f"bucketddp: {message}", file=sys.stderr, flush=True)
         self._pending = (kind, message)
         self._interrupted_at = time.monotonic()
         record = self._record(kind="raised", secondary=True)
@@ -364,6 +369,14 @@ class Watchdog:
 
 def _unreachable() -> dict[str, Any]:
     return {"rank": 0, "kind": "unreachable"}
+
+
+def _store_lost(exc: BaseException) -> bool:
+    """Whether a store call failed because the store's host is gone."""
+    text = str(exc)
+    return isinstance(exc, dist.DistError) or any(
+        s in text for s in ("Broken pipe", "Connection reset", "Connection refused", "closed")
+    )
 
 
 def _collective(exc: BaseException) -> bool:

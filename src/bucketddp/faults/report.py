@@ -44,8 +44,6 @@ def cause(record: dict[str, Any]) -> str:
             f"{who(record)} was killed by signal {record['signal']}{where(record)} "
             f"(seen by its parent process, rank {record['seen_by']})"
         )
-    if kind == "exited":
-        return f"{who(record)} exited{where(record)} without reporting an error"
     if kind == "unreachable":
         return (
             f"rank {record['rank']} hosts the rendezvous store, which stopped answering: "
@@ -55,7 +53,7 @@ def cause(record: dict[str, Any]) -> str:
     return (
         f"{who(record)} died without reporting an error{last}: no sign of life for "
         f"{record.get('silent_s', 0):.0f} s, so it was likely killed by a signal or the OOM "
-        "killer"
+        "killer (or it exited without an error bucketddp could see)"
     )
 
 

@@ -83,15 +83,20 @@ class Bucket:
 
     def wait(self) -> Any:
         """Wait for the bucket's communication; returns what a hook's future holds."""
-        work, self.work = self.work, None
+        work = self.work
         if work is None:
             return None
         value = None
-        if isinstance(work, dist.Work):
-            # Kept past the wait: the step's agreement may raise, and the process exit at once.
-            wait_kept(work)
-        else:
-            value = work.wait()
+        try:
+            if isinstance(work, dist.Work):
+                # Kept past the wait: the step's agreement may raise, and the process exit
+                # at once.
+                wait_kept(work)
+            else:
+                value = work.wait()
+        finally:
+            # Cleared only now: while it waits, the watchdog sees the bucket in flight.
+            self.work = None
         self.waited_at = time.perf_counter()
         return value
 

@@ -1,0 +1,88 @@
+"""Lightning's launchers, with the watchdog naming the ranks they started (Fabric side).
+
+Lightning's script launcher (``_SubprocessScriptLauncher``) starts ranks 1.. of a node as
+child scripts of rank 0, and a thread of its kills every process, rank 0 included, with
+SIGKILL within five seconds of a child's non-zero exit. Under bucketddp's strategies the
+watchdog (``bucketddp.faults``) ends every rank first, naming the failed one (and the
+signal of a child that was killed, which only its parent can see). The launchers here hand
+the children to the watchdog and keep Lightning's kill as a late last resort. This module
+imports ``lightning.fabric`` only, so that Fabric's strategy registry can load it while
+``lightning.pytorch`` is still being imported; ``strategy_launcher.py`` has the Trainer's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _ChildProcessObserver,
+    _SubprocessScriptLauncher,
+)
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+
+from .faults import adopt_children, current
+from .faults.monitor import GRACE
+
+# Lightning's kill of the whole job comes only this long after a child failed: by then
+# the watchdog has named the failure and ended this process, unless it is stuck.
+LAST_RESORT = 3 * GRACE
+
+
+class _LateObserver(_ChildProcessObserver):
+    def _terminate_all(self) -> None:
+        time.sleep(LAST_RESORT)
+        super()._terminate_all()
+
+
+def launch_watched(launcher: Any, function: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """What Lightning's script launchers do, with the children handed to the watchdog.
+
+    ``launcher`` is the Trainer's or Fabric's ``_SubprocessScriptLauncher``.
+    """
+    env = launcher.cluster_environment
+    env.validate_settings(num_devices=launcher.num_processes, num_nodes=launcher.num_nodes)
+    if not env.creates_processes_externally:
+        launcher._call_children_scripts()
+        first = env.node_rank() * launcher.num_processes
+        adopt_children({first + i + 1: proc for i, proc in enumerate(launcher.procs)})
+        _LateObserver(child_processes=launcher.procs, main_pid=os.getpid()).start()
+    _set_num_threads_if_needed(num_processes=launcher.num_processes)
+    return function(*args, **kwargs)
+
+
+def post_exception(exc: BaseException) -> None:
+    """Tell the other ranks (through the watchdog, if one runs) that this rank failed."""
+    if (dog := current()) is not None:
+        dog.report_exception(exc)
+
+
+class WatchedFabricScriptLauncher(_SubprocessScriptLauncher):
+    """Fabric's ``_SubprocessScriptLauncher`` whose children the watchdog watches."""
+
+    def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Start the child scripts, hand them to the watchdog, then call ``function``."""
+        return launch_watched(self, function, args, kwargs)
+
+
+class PostsExceptions:
+    """Mixin for Lightning's spawn/fork launchers: a rank's exception is posted.
+
+    Under them an exception in a rank is sent to the main process, not raised at the top of
+    the rank's own process (nor, for the Trainer, through the strategy's ``on_exception``
+    there), so it is posted here for the other ranks.
+    """
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(*args, **kwargs)  # type: ignore[misc]
+        except BaseException as exc:
+            post_exception(exc)
+            raise
+
+
+class WatchedFabricProcessLauncher(PostsExceptions, _MultiProcessingLauncher):
+    """Fabric's spawn/fork launcher (``fabric.launch(fn)``); a rank's exception is posted."""
