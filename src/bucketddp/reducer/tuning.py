@@ -2,10 +2,10 @@
 
 Once the learned order is in place (after the first synced backward), the tuner plans the
 buckets with each candidate size in turn, one synced step each, for ``ROUNDS`` rounds, so
-that a slow drift of the machine hits every candidate alike. A step's figure is the time
-from its first bucket's last gradient to the end of the wait for the last collective
-(from ``comm_stats``): the part of the step the bucket sizes change, without the rebuild
-between steps. Then rank 0 takes the candidate with the lowest median, broadcasts its
+that a slow drift of the machine hits every candidate alike. A step's figure is the whole
+step, from the end of the previous synced backward (after the rebuild for the candidate)
+to the end of this one's wait. Then rank 0 takes the candidate with the lowest median,
+unless it is less than ``MARGIN`` faster than the default, and broadcasts its
 choice (one collective, once), and every rank plans by it from then on.
 
 The steps spent tuning reduce every gradient as any step does: the sizes change when
@@ -30,6 +30,9 @@ from .state import ReducerState
 log = logging.getLogger("bucketddp.reducer")
 
 ROUNDS = 3
+MARGIN = 0.03
+"""How much faster than the default (the first candidate) another must be to be chosen:
+three steps each cannot tell apart candidates a few percent apart on a busy machine."""
 """Synced steps measured per candidate, one per round."""
 DEFAULT = (25.0, 1.0)  # torch DDP's bucket_cap_mb and first_bucket_mb
 
@@ -131,6 +134,9 @@ class BucketTuner:
         r = self._r
         medians = [statistics.median(s) if s else float("inf") for s in self._samples]
         best = min(range(len(medians)), key=medians.__getitem__)
+        if medians[best] > medians[0] * (1 - MARGIN):
+            best = 0  # the default, unless another is clearly faster: not a coin toss
+
         if r.world_size > 1:
             device = r.buckets[-1].storage.device if r.buckets else torch.device("cpu")
             choice = torch.tensor([best], dtype=torch.int64, device=device)
