@@ -15,7 +15,7 @@ What follows from the change lives here too:
 - ``fabric.load`` of a file only rank 0 can see reads it there and sends it to the others
   (``bucketddp.checkpoint``).
 
-Besides ``strategy.py``, this is the only module of the package that imports Lightning.
+Like ``strategy.py``, a strategy module: only those import Lightning.
 """
 
 from __future__ import annotations

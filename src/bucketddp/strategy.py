@@ -15,7 +15,8 @@ while fitting, the LightningModule is wrapped in ``BucketDataParallel`` instead 
 - ``sync_batchnorm`` converts BatchNorm layers to ``bucketddp.SyncBatchNorm``, which also
   works on CPU/gloo, and converts them back at teardown.
 
-This is the only module of the package that imports Lightning.
+It is one of the strategy modules, the only ones that import Lightning (with
+``strategy_launcher.py``, ``fabric.py``, ``fabric_launcher.py`` and ``comm_monitor.py``).
 """
 
 from __future__ import annotations
