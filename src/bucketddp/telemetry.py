@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from .buckets import BucketPlan
+from .comm import global_rank
 from .reducer.stats import CommStats
 
 
@@ -156,16 +157,10 @@ class Timeline:
 
     def export(self) -> None:
         """Gather every rank's records on rank 0 and write the trace there (a collective)."""
-        mine = trace_events(self._records, self._offset, dist.get_rank(self.group))
-        everyone: list[Any] | None = (
-            [None] * dist.get_world_size(self.group) if dist.get_rank(self.group) == 0 else None
-        )
-        dist.gather_object(
-            mine,
-            everyone,
-            dst=dist.get_global_rank(self.group, 0) if self.group is not None else 0,
-            group=self.group,
-        )
+        rank = dist.get_rank(self.group)
+        mine = trace_events(self._records, self._offset, rank)
+        everyone: list[Any] | None = [None] * dist.get_world_size(self.group) if rank == 0 else None
+        dist.gather_object(mine, everyone, dst=global_rank(self.group), group=self.group)
         if everyone is not None:
             events = [e for rank_events in everyone for e in (rank_events or [])]
             self.path.parent.mkdir(parents=True, exist_ok=True)

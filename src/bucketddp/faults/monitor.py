@@ -59,8 +59,7 @@ class Engine(Protocol):
         ...
 
 
-def _host() -> str:
-    return socket.gethostname()
+_HOST = socket.gethostname()
 
 
 def _stacks() -> str:
@@ -203,9 +202,9 @@ class Watchdog:
     # ----------------------------------------------------------- the watchdog thread
     def _run(self) -> None:
         n = 0
-        first = True
-        while first or not self._stop.wait(INTERVAL):
-            first = False
+        while True:
+            if n and self._stop.wait(INTERVAL):
+                return
             if not dist.is_initialized():
                 self.stop()
                 return
@@ -270,7 +269,7 @@ class Watchdog:
         p = prog.PROGRESS
         return {
             "rank": self.rank,
-            "host": _host(),
+            "host": _HOST,
             "pid": os.getpid(),
             "step": p.step,
             "phase": p.phase,
@@ -320,7 +319,7 @@ class Watchdog:
             del self.children[rank]
             if code < 0:
                 name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-                record = {"rank": rank, "host": _host(), "pid": proc.pid, "kind": "signal"}
+                record = {"rank": rank, "host": _HOST, "pid": proc.pid, "kind": "signal"}
                 self.board.post_fault({**record, "signal": name, "seen_by": self.rank})
 
     def _watch_neighbour(self) -> None:

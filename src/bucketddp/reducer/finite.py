@@ -88,7 +88,7 @@ class FiniteCheck:
         """Take the buckets of a new plan (after ``row_slots`` sized its row)."""
         r = self._r
         order = [i for b in r.buckets for i in b.members]
-        device = r.buckets[-1].storage.device if r.buckets else torch.device("cpu")
+        device = r.device
         n = len(r.params)
         self._first_key = torch.tensor([n - i for i in order], dtype=torch.int64, device=device)
         powers = [self._base**j for j in range(self._digits)]

@@ -45,7 +45,7 @@ def learned_plan(
 def adopt_learned_order(r: ReducerState) -> None:
     """At the end of the first synced backward: plan by rank 0's ready order from now on."""
     assert r.observed is not None
-    device = r.buckets[-1].storage.device if r.buckets else torch.device("cpu")
+    device = r.device
     plan = learned_plan(r.m, r.observed, r.caps, r.process_group, device)
     r.observed = None
     if [b.names for b in plan] == [b.names for b in r.plan]:

@@ -220,6 +220,11 @@ class ReducerState(ABC):
     finite: FiniteGuard | None
 
     @property
+    def device(self) -> torch.device:
+        """Where the reducer's small tensors for collectives live: its buckets' device."""
+        return self.buckets[-1].storage.device if self.buckets else torch.device("cpu")
+
+    @property
     @abstractmethod
     def in_backward(self) -> bool:
         """Whether a backward pass of this reducer's is under way."""

@@ -136,9 +136,8 @@ class BucketTuner:
         best = min(range(len(medians)), key=medians.__getitem__)
         if medians[best] > medians[0] * (1 - MARGIN):
             best = 0  # the default, unless another is clearly faster: not a coin toss
-
         if r.world_size > 1:
-            device = r.buckets[-1].storage.device if r.buckets else torch.device("cpu")
+            device = r.device
             choice = torch.tensor([best], dtype=torch.int64, device=device)
             dist.broadcast(choice, src=global_rank(r.process_group), group=r.process_group)
             best = int(choice.item())
