@@ -6,7 +6,6 @@ to agree with the other ranks when buffers change after wrapping.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import weakref
@@ -19,6 +18,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import _structure
+from .._compat import preserve_version_counters
 from ..comm import (
     FlatTensors,
     all_reduce_coalesced,
@@ -239,7 +239,7 @@ class BufferSync:
         by_group = [[self._current(n) for n in g.names] for g in self.groups]
         with (
             torch.inference_mode(False),
-            _preserve_versions(tuple(t for ts in by_group for t in ts if t is not None)),
+            preserve_version_counters(tuple(t for ts in by_group for t in ts if t is not None)),
         ):
             return self._sync_groups(by_group, src, ranks, contribute)
 
@@ -416,18 +416,6 @@ def _none_message(name: str, policy: str) -> str:
         f"policy ({policy}) has nothing to sync. Give it a tensor again before the next "
         "forward, or wrap the model again."
     )
-
-
-def _preserve_versions(tensors: tuple[torch.Tensor, ...]) -> contextlib.AbstractContextManager[Any]:
-    """A context that restores the tensors' autograd version counters when it exits."""
-    preserve = torch.autograd.grad_mode._unsafe_preserve_version_counter
-    try:
-        return preserve(tensors)
-    except (AttributeError, AssertionError, TypeError):  # torch < 2.5 takes one tensor
-        stack = contextlib.ExitStack()
-        for t in tensors:
-            stack.enter_context(preserve(t))
-        return stack
 
 
 def _identity(policy: str, dtype: torch.dtype) -> float:

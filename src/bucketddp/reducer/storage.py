@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._compat import storage_use_count
 from ..buckets import BucketPlan
 from ..comm import wait_kept
 
@@ -222,14 +223,9 @@ class BucketStorage:
         return other is not None and other is not self._owner() and other.in_backward
 
 
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
 def tensors_on(storage: torch.Tensor) -> int:
-    """How many tensors (and storage handles) share ``storage``'s memory; 0 if unknown."""
-    if _use_count is None:
-        return 0
-    return int(_use_count(storage.untyped_storage()._cdata))
+    """How many tensors (and storage handles) share ``storage``'s memory."""
+    return storage_use_count(storage.untyped_storage())
 
 
 def slot_views(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
