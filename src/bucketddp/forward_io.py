@@ -55,6 +55,18 @@ def to_device(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+_NOT_REDUCED = (
+    "BucketDataParallel does not reduce gradients computed with torch.distributed.autograd: "
+)
+_LOCAL = "would leave each rank's gradients local, unaveraged. Use "
+_USE_DDP = "torch.nn.parallel.DistributedDataParallel for distributed autograd, or "
+
+
+def _rpc_active() -> bool:
+    rpc = sys.modules.get("torch.distributed.rpc")
+    return rpc is not None and rpc.is_available() and rpc.api._is_current_rpc_agent_set()
+
+
 def refuse_dist_autograd() -> None:
     """Raise inside a ``torch.distributed.autograd`` context (RPC): not supported.
 
@@ -65,8 +77,7 @@ def refuse_dist_autograd() -> None:
     Raises:
         NotImplementedError: naming what to use instead.
     """
-    rpc = sys.modules.get("torch.distributed.rpc")
-    if rpc is None or not rpc.is_available() or not rpc.api._is_current_rpc_agent_set():
+    if not _rpc_active():
         return
     from torch.distributed import autograd as dist_autograd
 
@@ -75,9 +86,35 @@ def refuse_dist_autograd() -> None:
     except RuntimeError:  # no context: a plain backward follows
         return
     raise NotImplementedError(
-        "BucketDataParallel does not reduce gradients computed with torch.distributed."
-        "autograd: this forward runs inside dist_autograd.context(), and "
-        "dist_autograd.backward() would leave each rank's gradients local, unaveraged. Use "
-        "torch.nn.parallel.DistributedDataParallel for distributed autograd, or run the "
-        "forward outside the context and call loss.backward()."
+        f"{_NOT_REDUCED}this forward runs inside dist_autograd.context(), and "
+        f"dist_autograd.backward() {_LOCAL}{_USE_DDP}run the forward outside the context "
+        "and call loss.backward()."
     )
+
+
+def output_hook(hook: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """``hook`` (the reducer's hook on a forward's outputs), refusing distributed autograd.
+
+    A forward outside ``dist_autograd.context()`` passes :func:`refuse_dist_autograd`, but
+    ``dist_autograd.backward(ctx, [loss])`` may still follow inside one. Its engine runs
+    this hook (and no parameter hook) on a thread of its own, where no autograd node is
+    current, unlike the local engine. Guarded only while RPC is on.
+
+    Raises:
+        NotImplementedError: in that backward. Distributed autograd's engine reports it as
+            "python_error" alone, so the message goes to stderr as well.
+    """
+    if not _rpc_active():
+        return hook
+
+    def guarded(grad: torch.Tensor) -> None:
+        if torch._C._current_autograd_node() is None:
+            message = (
+                f"{_NOT_REDUCED}dist_autograd.backward() runs through this wrapper's output "
+                f"and {_LOCAL}{_USE_DDP}call loss.backward() instead."
+            )
+            print(f"bucketddp: {message}", file=sys.stderr, flush=True)
+            raise NotImplementedError(message)
+        hook(grad)
+
+    return guarded

@@ -11,10 +11,12 @@ import dataclasses
 import math
 import numbers
 import types
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._compat import ddp_deprecates_broadcast_buffers
 from .buffers.policies import Policy, check_policy, check_rules
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # torch DDP's, also what its bucket_cap_mb=None means
@@ -333,6 +335,22 @@ def check_bucket_sizes(
             f"first_bucket_mb <= {cap}, or leave it out (1 MB, or bucket_cap_mb if smaller)."
         )
     return cap, first
+
+
+BROADCAST_BUFFERS_DEPRECATED = (
+    "broadcast_buffers is deprecated, as in torch's DistributedDataParallel of this torch "
+    "release: pass forward_sync_buffers instead (False stops syncing buffers before each "
+    "forward; they still start from rank 0). For buffers that keep each rank's own value "
+    "from the start, which broadcast_buffers=False also meant, pass "
+    'default_buffer_policy="none".'
+)
+
+
+def warn_deprecated(options: EngineOptions, stacklevel: int = 3) -> None:
+    """Warn where torch DDP would: a FutureWarning for ``broadcast_buffers``, when given and
+    this torch's DDP deprecates it (torch 2.13 on, see ``_compat``)."""
+    if options.broadcast_buffers is not None and ddp_deprecates_broadcast_buffers():
+        warnings.warn(BROADCAST_BUFFERS_DEPRECATED, FutureWarning, stacklevel=stacklevel)
 
 
 def buffer_default(

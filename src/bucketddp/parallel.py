@@ -20,7 +20,7 @@ from .comm import broadcast_coalesced, module_device, verify_same_model
 from .comm_hooks import CommHook
 from .faults import PROGRESS, watch
 from .faults.progress import BUFFER_SYNC, FORWARD, USER_CODE
-from .forward_io import hook_outputs, refuse_dist_autograd, to_device
+from .forward_io import hook_outputs, output_hook, refuse_dist_autograd, to_device
 from .join import BucketJoinHook, check_joinable, training_step
 from .module_checks import (
     check_initialized,
@@ -31,7 +31,7 @@ from .module_checks import (
     set_ignored,
     sparse_parameters,
 )
-from .options import DEFAULT_STALL_TIMEOUT, EngineOptions, ForwardSyncSwitch
+from .options import DEFAULT_STALL_TIMEOUT, EngineOptions, ForwardSyncSwitch, warn_deprecated
 from .placement import input_device, reduce_group
 from .reducer import NO_TRAINABLE, CommStats, Reducer
 from .reducer.order import learned_order, load_order
@@ -116,6 +116,7 @@ class BucketDataParallel(nn.Module, Joinable):
     ) -> None:
         check_wrappable(module, BucketDataParallel)
         options = EngineOptions.from_arguments(locals(), options)
+        warn_deprecated(options)
         super().__init__()
         Joinable.__init__(self)
         self.options = options
@@ -199,7 +200,7 @@ class BucketDataParallel(nn.Module, Joinable):
         if not torch.compiler.is_compiling():
             PROGRESS.mark(USER_CODE)
             if torch.is_grad_enabled():
-                hook_outputs(out, self.reducer.on_output_grad)
+                hook_outputs(out, output_hook(self.reducer.on_output_grad))
         return out
 
     def _before_forward(self) -> None:

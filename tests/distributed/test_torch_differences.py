@@ -1,6 +1,7 @@
 """Differences from torch DDP that torch's own DDP tests found, each against torch DDP.
 
-Distributed autograd is refused on every rank (torch DDP averages it); a parameter the
+Distributed autograd is refused on every rank (torch DDP averages it), whether the forward
+runs inside its context or only the backward does; a parameter the
 graph reached without a gradient keeps ``.grad`` None, as with torch DDP; the
 ``forward_sync_buffers`` attribute; a ``process_group`` that leaves this rank out.
 """
@@ -43,6 +44,48 @@ def _dist_autograd(rank: int, world: int, port: int) -> dict[str, Any]:
     finally:
         rpc.shutdown()
     return out
+
+
+def _dist_backward_only(rank: int, world: int, port: int) -> dict[str, Any]:
+    """The forward outside ``dist_autograd.context()``, only the backward inside it."""
+    import contextlib
+    import io
+
+    import torch.distributed.autograd as dist_autograd
+    import torch.distributed.rpc as rpc
+
+    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
+    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
+    out: dict[str, Any] = {}
+    try:
+        for name, wrap in (("ddp", DDP), ("ours", BucketDataParallel)):
+            torch.manual_seed(0)
+            model = wrap(nn.Linear(3, 2))
+            loss = model(torch.full((1, 3), rank + 1.0)).sum()
+            stderr = io.StringIO()
+            with dist_autograd.context() as ctx, contextlib.redirect_stderr(stderr):
+                try:
+                    dist_autograd.backward(ctx, [loss])
+                    grads = dist_autograd.get_gradients(ctx)
+                    out[name] = grads[model.module.weight].clone()
+                except RuntimeError as err:
+                    out[name] = f"{err} / {stderr.getvalue()}"
+            # Then the wrapper trains as usual, outside any context.
+            model(torch.ones(1, 3)).sum().backward()
+            out[name + "_plain"] = model.module.weight.grad.clone()
+    finally:
+        rpc.shutdown()
+    return out
+
+
+def test_distributed_backward_of_a_plain_forward_is_refused_where_torch_ddp_averages() -> None:
+    for r in run_ranks(_dist_backward_only, 2, free_port(), timeout=90):
+        torch.testing.assert_close(r["ddp"], torch.full((2, 3), 1.5))
+        # Never each rank's own gradient (1.0 or 2.0) in silence: an error on every rank.
+        assert isinstance(r["ours"], str), f"kept a gradient: {r['ours']}"
+        assert "does not reduce gradients computed with torch.distributed.autograd" in r["ours"]
+        assert "dist_autograd.backward() runs through this wrapper's output" in r["ours"]
+        torch.testing.assert_close(r["ours_plain"], r["ddp_plain"])
 
 
 def test_distributed_autograd_is_refused_on_every_rank_where_torch_ddp_averages() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -142,3 +143,47 @@ def test_distributed_checkpoint_helpers_on_the_wrapped_module_match_torch_ddp() 
         assert r["optim_keys"][0] == r["optim_keys"][1]
         for k, v in r["ddp"].items():
             assert torch.equal(r["loaded"][k], v), k
+
+
+# broadcast_buffers alone and beside forward_sync_buffers, and the options without it.
+DEPRECATION_CASES: list[dict[str, Any]] = [
+    {"broadcast_buffers": True},
+    {"broadcast_buffers": False},
+    {"broadcast_buffers": True, "forward_sync_buffers": True},
+    {"forward_sync_buffers": False},
+    {},
+]
+
+
+def _deprecation_warnings(rank: int, world: int) -> list[dict[str, list[str]]]:
+    import warnings
+
+    seen = []
+    for opts in DEPRECATION_CASES:
+        got: dict[str, list[str]] = {}
+        for name, wrap in (("ddp", DDP), ("ours", BucketDataParallel)):
+            if name == "ddp" and "forward_sync_buffers" not in inspect.signature(DDP).parameters:
+                opts = {k: v for k, v in opts.items() if k != "forward_sync_buffers"}  # < 2.13
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                wrap(nn.BatchNorm1d(2), **opts)
+            got[name] = [
+                f"{w.category.__name__}: {w.message} @ {w.filename}"
+                for w in caught
+                if "broadcast_buffers" in str(w.message)
+            ]
+        seen.append(got)
+    return seen
+
+
+def test_broadcast_buffers_warns_as_torch_ddp_does() -> None:
+    for seen in run_ranks(_deprecation_warnings, 2):
+        for opts, got in zip(DEPRECATION_CASES, seen, strict=True):
+            # Where torch DDP warns, so do we: one FutureWarning, at the caller's line.
+            assert len(got["ours"]) == len(got["ddp"]) <= 1, (opts, got)
+            for text in got["ours"]:
+                assert text.startswith("FutureWarning: broadcast_buffers is deprecated"), text
+                assert 'default_buffer_policy="none"' in text
+                assert text.endswith("test_torch_options.py"), text
+        # torch DDP deprecates it from the release that takes forward_sync_buffers (2.13).
+        assert bool(seen[0]["ddp"]) == ("forward_sync_buffers" in inspect.signature(DDP).parameters)
