@@ -9,6 +9,8 @@ that never stopped for save and load.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,8 @@ import pytest
 import torch
 
 from fabric_runs import ADDED_PER_FORWARD, STEPS, WORLD_SIZE, all_runs
-from lightning_runs import assert_same, moved
-from multirank import run_ranks
+from lightning_runs import SUPPORT, assert_same, moved, run_script
+from multirank import free_port, run_ranks
 
 pytest.importorskip("lightning")
 
@@ -123,3 +125,28 @@ def test_bad_options_fail_when_the_strategy_is_built() -> None:
     # no_backward_sync on a model some other strategy wrapped names what it got.
     with pytest.raises(TypeError, match=r"needs a model set up by BucketFabricDDP.*got Linear"):
         strategy._backward_sync_control.no_backward_sync(torch.nn.Linear(1, 1), True)
+
+
+def test_fabric_run_takes_bucket_ddp_through_our_module(tmp_path: Path) -> None:
+    # `fabric run` takes its --strategy choices from the registry before bucketddp can
+    # register; `python -m bucketddp.fabric_cli run` is the same command with our names.
+    script = str(SUPPORT / "fabric_cli_script.py")
+    fabric = str(Path(sys.executable).with_name("fabric"))
+    common = ["run", "--accelerator", "cpu", "--devices", "2", "--main-port"]
+    saved = {}
+    for strategy, cmd in (
+        ("ddp", [fabric]),
+        ("bucket_ddp", [sys.executable, "-m", "bucketddp.fabric_cli"]),
+    ):
+        out = tmp_path / f"{strategy}.pt"
+        args = [*common, str(free_port()), "--strategy", strategy, script, str(out)]
+        run_script([*cmd, *args], timeout=180)
+        saved[strategy] = torch.load(out, weights_only=False)
+    assert saved["bucket_ddp"]["strategy"] == "BucketFabricDDP"
+    assert saved["ddp"]["strategy"] == "DDPStrategy"
+    assert_same(saved["ddp"]["weights"], saved["bucket_ddp"]["weights"], tol=1e-6)
+    # Lightning's own command still refuses the name: the reason for the module.
+    refused = subprocess.run(
+        [fabric, "run", "--strategy", "bucket_ddp", script, "x"], capture_output=True, text=True
+    )
+    assert refused.returncode != 0 and "Invalid value for '--strategy'" in refused.stderr
