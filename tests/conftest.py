@@ -8,10 +8,47 @@ imported: set here, before any test module imports it). The benchmark runs the s
 inherit it; run by hand, the benchmarks leave it out, so their ranks stay as fresh as a
 user's. test_compile.py's check that eager training never imports torch._dynamo starts its
 rank fresh (``run_ranks(..., fresh=True)``).
+
+It also reports the outcomes of the tests marked ``compat`` by area, for ``python3 dev.py
+compat``, when BUCKETDDP_COMPAT_REPORT names a file.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
+import pytest
+
 os.environ["MULTIRANK_PRELOAD"] = "torch._dynamo"
+
+
+# ``python3 dev.py compat`` (tools/compat.py) reads each area's outcomes from this file.
+_COMPAT_REPORT = os.environ.get("BUCKETDDP_COMPAT_REPORT")
+_AREAS: dict[str, str] = {}
+_OUTCOMES: dict[str, str] = {}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("compat")
+        if marker is not None:
+            _AREAS[item.nodeid] = marker.args[0]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # A test's outcome is its call's, unless its setup or teardown failed or skipped it.
+    counts = report.when == "call" or report.outcome != "passed"
+    if counts and report.nodeid in _AREAS and _OUTCOMES.get(report.nodeid) != "failed":
+        _OUTCOMES[report.nodeid] = report.outcome
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not _COMPAT_REPORT:
+        return
+    by_area: dict[str, list[str]] = {}
+    for nodeid, area in _AREAS.items():
+        if nodeid in _OUTCOMES:
+            by_area.setdefault(area, []).append(_OUTCOMES[nodeid])
+    with open(_COMPAT_REPORT, "w") as out:
+        json.dump(by_area, out)

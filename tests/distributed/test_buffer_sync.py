@@ -139,6 +139,7 @@ def test_every_buffer_got_the_policy_its_rule_gives(semantics: list[dict[str, An
     assert all(r["policies"] == policies for r in semantics)
 
 
+@pytest.mark.compat("buffers")
 def test_each_policy_matches_ground_truth_from_all_ranks(semantics: list[dict[str, Any]]) -> None:
     policies = semantics[0]["policies"]
     for name, policy in policies.items():
@@ -870,6 +871,7 @@ def vs_ddp() -> list[dict[str, Any]]:
     return run_ranks(_vs_ddp_worker, 2, timeout=TIMEOUT)
 
 
+@pytest.mark.compat("buffers")
 def test_default_broadcast_matches_torch_ddp_exactly(vs_ddp: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(vs_ddp):
         for kind in ("buffers", "params"):

@@ -150,6 +150,7 @@ def _assert_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert torch.equal(a["optimizer"][i][k], b["optimizer"][i][k]), (i, k)
 
 
+@pytest.mark.compat("resume")
 def test_hand_written_loop_resumes_from_rank0_only_checkpoint(tmp_path: Path) -> None:
     for rank in (0, 1):
         (tmp_path / f"rank{rank}").mkdir()

@@ -32,6 +32,7 @@ def _gone_within(job: Job, limit: float) -> list[str]:
     ]
 
 
+@pytest.mark.compat("watchdog")
 def test_a_failing_rank_ends_every_rank_within_seconds_naming_it(tmp_path: Path) -> None:
     cases = [(m, s) for m in ("loop", "lightning") for s in ("raise", "kill", "sleep")]
     cases.append(("spawn", "raise"))  # Lightning's spawn launcher: no on_exception in ranks

@@ -239,6 +239,7 @@ def two_rank_results() -> list[dict[str, Any]]:
     return run_ranks(_cases_worker, 2, CASES, timeout=120)
 
 
+@pytest.mark.compat("syncbn")
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_matches_batchnorm_on_global_batch(case: Case, two_rank_results: list[dict[str, Any]]):
     results = [r[case.name] for r in two_rank_results]
@@ -369,7 +370,11 @@ def _ddp_worker(
 
 @pytest.mark.parametrize(
     ("compiled", "hook"),
-    [(False, None), (True, None), (False, "allreduce")],
+    [
+        pytest.param(False, None, marks=pytest.mark.compat("syncbn")),
+        (True, None),
+        (False, "allreduce"),
+    ],
     ids=["eager", "compiled", "comm_hook"],
 )
 def test_bucket_data_parallel_matches_single_process_training(compiled: bool, hook: str | None):

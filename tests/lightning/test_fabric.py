@@ -33,6 +33,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return results
 
 
+@pytest.mark.compat("fabric")
 def test_plain_loop_gives_the_weights_of_ddp(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert r["wrapper"] == "BucketDataParallel"

@@ -78,6 +78,7 @@ CHECKS = [
 ]
 
 
+@pytest.mark.compat("notebook")
 def test_notebook_trains_in_a_kernel_as_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the kernel and the ranks it forks
     notebook = nbformat.read(ROOT / "examples" / "notebook.ipynb", as_version=4)

@@ -267,6 +267,7 @@ def swap(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return scenario("swap", tmp_path_factory.mktemp("swap"))
 
 
+@pytest.mark.compat("fit")
 @pytest.mark.parametrize(
     "run", ["boring", "boring_acc2", "boring_bf16", "transformer", "transformer_acc2"]
 )

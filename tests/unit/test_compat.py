@@ -1,0 +1,48 @@
+"""bucketddp._compat: each fallback, called directly on real tensors on this torch, and which
+path this torch takes (``dev.py compat`` runs these on every supported torch)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from bucketddp import _compat
+
+
+def _bumped_in(make_context: object, tensors: tuple[torch.Tensor, ...]) -> list[int]:
+    before = [t._version for t in tensors]
+    with make_context(tensors):  # type: ignore[operator]
+        for t in tensors:
+            t.add_(1)  # an in-place write bumps the counter
+        assert all(t._version > v for t, v in zip(tensors, before, strict=True))
+    return [t._version - v for t, v in zip(tensors, before, strict=True)]
+
+
+@pytest.mark.compat("engine")
+@pytest.mark.parametrize("path", ["chosen", "fallback"])
+def test_version_counters_are_restored_on_either_path(path: str) -> None:
+    tensors = (torch.zeros(3), torch.ones(2, 2), torch.zeros(()))
+    make = {
+        "chosen": _compat.preserve_version_counters,
+        "fallback": _compat._preserve_one_by_one,
+    }[path]
+    assert _bumped_in(make, tensors) == [0, 0, 0]
+    assert [t.sum().item() for t in tensors] == [3.0, 8.0, 1.0]  # the writes stay
+
+
+@pytest.mark.compat("engine")
+def test_torch_2_4_takes_the_fallback_and_later_releases_the_tuple() -> None:
+    chosen = _compat.preserve_version_counters((torch.zeros(1), torch.zeros(1)))
+    assert isinstance(chosen, contextlib.ExitStack) == (torch.__version__ < "2.5")
+
+
+@pytest.mark.compat("engine")
+def test_storage_use_count_counts_the_tensors_on_a_storage() -> None:
+    base = torch.zeros(8)
+    alone = _compat.storage_use_count(base.untyped_storage())
+    views = [base[:4], base.view(2, 4)]
+    assert _compat.storage_use_count(base.untyped_storage()) == alone + len(views)
+    del views
+    assert _compat.storage_use_count(base.untyped_storage()) == alone
