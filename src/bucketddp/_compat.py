@@ -4,7 +4,7 @@ bucketddp runs on torch 2.4 to 2.15 (docs/compatibility.md). Each torch API that
 the same across those releases, and each private one we rely on, is reached through a
 function here with its one fallback, so that the rest of the package reads as if there
 were a single torch release, and a new release touches this file only. Lightning's
-differences would belong here too; there are none yet between 2.4 and 2.6 that we use.
+differences (2.4 to 2.6) are here too, without importing Lightning.
 
 This module imports nothing beyond torch.
 """
@@ -29,7 +29,7 @@ def preserve_version_counters(
     """
     preserve = torch.autograd.grad_mode._unsafe_preserve_version_counter
     try:
-        return preserve(tensors)  # type: ignore[arg-type]
+        return preserve(tensors)
     except (AttributeError, AssertionError, TypeError):  # torch 2.4: one tensor only
         return _preserve_one_by_one(tensors)
 
@@ -46,7 +46,16 @@ def _preserve_one_by_one(tensors: tuple[torch.Tensor, ...]) -> contextlib.ExitSt
 def storage_use_count(storage: torch.UntypedStorage) -> int:
     """How many tensors (and storage handles) share ``storage``: a private count, present
     from torch 2.4 to 2.15."""
-    return int(torch._C._storage_Use_Count(storage._cdata))  # type: ignore[attr-defined]
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def weights_only_kwargs(weights_only: bool | None) -> dict[str, Any]:
+    """The ``weights_only`` keyword to hand on to Lightning's ``load_checkpoint`` methods.
+
+    Lightning 2.4's (strategies and CheckpointIO) take no such keyword, and never pass one
+    to ours; later releases default it to None. So it is handed on only when given.
+    """
+    return {} if weights_only is None else {"weights_only": weights_only}
 
 
 @functools.cache

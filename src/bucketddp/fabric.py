@@ -39,6 +39,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ._compat import weights_only_kwargs
 from .buffers import Policy
 from .checkpoint import Source, check_source, load_checkpoint, strip_prefix
 from .fabric_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
@@ -284,7 +285,7 @@ class BucketFabricDDP(DDPStrategy):
         self.checkpoint_io = _ReadThroughRank0(io, self._checkpoint_source)
         try:
             remainder = super().load_checkpoint(
-                path, state, strict=strict, weights_only=weights_only
+                path, state, strict=strict, **weights_only_kwargs(weights_only)
             )
         finally:
             self.checkpoint_io = io
@@ -321,7 +322,7 @@ class _ReadThroughRank0(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        read = functools.partial(self.io.load_checkpoint, weights_only=weights_only)
+        read = functools.partial(self.io.load_checkpoint, **weights_only_kwargs(weights_only))
         exists = lambda p: get_filesystem(p).exists(p)  # noqa: E731
         loaded: dict[str, Any] = load_checkpoint(path, source=self.source, read=read, exists=exists)
         return loaded

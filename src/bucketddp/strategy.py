@@ -41,6 +41,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
+from ._compat import weights_only_kwargs
 from .buffers import Policy
 from .checkpoint import Source, check_source, load_checkpoint, strip_prefix
 from .faults import PROGRESS
@@ -391,7 +392,9 @@ class BucketDDP(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Read ``ckpt_path`` on every rank, or on rank 0 alone when another rank does not
         see it: the others then receive it (``checkpoint_source``, ``docs/strategy.md``)."""
-        read = functools.partial(DDPStrategy.load_checkpoint, self, weights_only=weights_only)
+        read = functools.partial(
+            DDPStrategy.load_checkpoint, self, **weights_only_kwargs(weights_only)
+        )
         exists = lambda path: get_filesystem(path).exists(path)  # noqa: E731
         return load_checkpoint(
             checkpoint_path, source=self._checkpoint_source, read=read, exists=exists

@@ -1,9 +1,12 @@
-"""bucketddp._compat: each fallback, called directly on real tensors on this torch, and which
-path this torch takes (``dev.py compat`` runs these on every supported torch)."""
+"""bucketddp._compat: each fallback, called directly on real tensors and files on this torch
+and Lightning, and which path they take (``dev.py compat`` runs these on every supported
+release)."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,3 +49,18 @@ def test_storage_use_count_counts_the_tensors_on_a_storage() -> None:
     assert _compat.storage_use_count(base.untyped_storage()) == alone + len(views)
     del views
     assert _compat.storage_use_count(base.untyped_storage()) == alone
+
+
+@pytest.mark.compat("fabric")
+def test_weights_only_is_handed_to_lightning_only_when_given(tmp_path: Path) -> None:
+    plugins = pytest.importorskip("lightning.fabric.plugins")
+    path = tmp_path / "state.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    io = plugins.TorchCheckpointIO()
+    # What every Lightning release takes, and all that 2.4 (no weights_only) is ever given.
+    assert _compat.weights_only_kwargs(None) == {}
+    loaded = io.load_checkpoint(path, **_compat.weights_only_kwargs(None))
+    assert torch.equal(loaded["w"], torch.ones(2))
+    if "weights_only" in inspect.signature(io.load_checkpoint).parameters:  # Lightning 2.5 on
+        loaded = io.load_checkpoint(path, **_compat.weights_only_kwargs(True))
+        assert torch.equal(loaded["w"], torch.ones(2))
