@@ -8,6 +8,8 @@
     python3 dev.py fuzz    # the engine fuzzer, outside the suite: --schedules 200, --replay SEED
     python3 dev.py fuzz-lightning   # the strategy fuzzer against "ddp": --schedules 100
     python3 dev.py lint    # ruff and mypy
+    python3 dev.py compat  # the compat subset on each supported torch x Lightning x Python:
+                           # --only 'torch 2.6' (see tools/compat.py), --list
 
 The first call creates .venv and installs the project with every pin in constraints.txt,
 so a CPU machine gets the CPU build of torch instead of the multi-GB CUDA wheels. Later
@@ -35,7 +37,7 @@ COMMANDS = {
     "fuzz": [["tests/support/fuzz_engine.py"]],
     "fuzz-lightning": [["tests/support/fuzz_lightning.py"]],
     "lint": [
-        ["-m", "ruff", "check", "src", "tests", "examples", "benchmarks", "dev.py"],
+        ["-m", "ruff", "check", "src", "tests", "examples", "benchmarks", "tools", "dev.py"],
         ["-m", "mypy"],
     ],
 }
@@ -72,6 +74,11 @@ def ensure_venv() -> None:
 
 def main(argv: list[str]) -> int:
     """Run the named command inside the project's virtual environment."""
+    if argv[:1] == ["compat"]:
+        # Its environments are its own (tools/compat.py), outside the repository.
+        return subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "compat.py"), *argv[1:]]
+        ).returncode
     if len(argv) < 1 or argv[0] not in COMMANDS:
         print(__doc__)
         return 2

@@ -1,0 +1,313 @@
+"""``python3 dev.py compat``: the compatibility subset on each torch × Lightning × Python.
+
+Each combination runs the tests marked ``@pytest.mark.compat("area")`` (one or two per
+area: the engine against torch DDP, buffer policies, SyncBatchNorm, the watchdog, resume
+from rank 0, a BucketDDP fit and Fabric against "ddp", the notebook) and the results go
+into a table of combination × area, printed and written to docs/compatibility.md.
+
+Environments live outside the repository, in ``~/.cache/bucketddp-compat`` (or
+``$BUCKETDDP_COMPAT_CACHE``):
+
+- ``wheels/``: every wheel downloaded from the package index, kept between runs, so a
+  second run installs without the network;
+- ``envs/pyX.Y-torchV/``: one virtual environment per Python and torch release, with torch,
+  Lightning's dependencies and the test tools, and bucketddp installed editable from this
+  checkout (torch's CUDA builds take about 5 GB each, so the Lightning minors share it);
+- ``layers/pyX.Y/lightning-V/``: each Lightning release installed alone (``pip install
+  --target --no-deps``), put in front of the environment through PYTHONPATH.
+
+The package index's torch for Linux is the CUDA build (it runs on CPU). This machine's pip
+configuration may cap torch through a constraints file; this command lifts the cap for its
+own pip calls only (``PIP_CONSTRAINT`` empty).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("BUCKETDDP_COMPAT_CACHE", "~/.cache/bucketddp-compat")).expanduser()
+WHEELS = CACHE / "wheels"
+TABLE = ROOT / "docs" / "compatibility.md"
+CONSTRAINTS = ROOT / "constraints.txt"
+
+# The latest patch of each Lightning minor in the window.
+LIGHTNING = {"2.4": "2.4.0", "2.5": "2.5.6", "2.6": "2.6.6"}
+OLDEST_TORCH = "2.4.1"
+NEWEST_TORCH = "2.15.0"
+TORCHES = [OLDEST_TORCH, "2.6.0", "2.10.0", "2.13.0", NEWEST_TORCH]
+AREAS = ["engine", "buffers", "syncbn", "watchdog", "resume", "fit", "fabric", "notebook"]
+# What the environments need besides torch and Lightning: the test tools, the optional
+# packages the tests use, and Lightning's own dependencies (Lightning itself comes in a layer).
+TEST_TOOLS = [
+    "pytest>=8",
+    "pytest-timeout>=2.3",
+    "numpy",
+    "nbclient>=0.10",
+    "ipykernel>=6.29",
+    "torchdata>=0.8",
+    "torchmetrics>=1.3",
+    "click>=8",
+    "setuptools>=68",
+]
+
+
+PINNED = "pinned"
+"""A combination's torch that is the project's own .venv: constraints.txt's pins."""
+
+
+@dataclass(frozen=True)
+class Combo:
+    """One row of the table: a Python, a torch release and a Lightning minor."""
+
+    python: str
+    torch: str  # a release on the package index, or PINNED
+    lightning: str
+
+    @property
+    def name(self) -> str:
+        torch = f"{_pin('torch')} (pinned)" if self.torch == PINNED else self.torch
+        return f"py{self.python} torch {torch} Lightning {LIGHTNING[self.lightning]}"
+
+    @property
+    def env(self) -> Path:
+        if self.torch == PINNED:
+            return ROOT / ".venv"
+        return CACHE / "envs" / f"py{self.python}-torch{self.torch}"
+
+    @property
+    def layer(self) -> Path:
+        return CACHE / "layers" / f"py{self.python}" / f"lightning-{LIGHTNING[self.lightning]}"
+
+
+COMBOS = [Combo("3.11", t, lit) for t in TORCHES for lit in LIGHTNING]
+# The oldest Python with the oldest torch and Lightning, the newest with the newest.
+COMBOS += [Combo("3.10", OLDEST_TORCH, "2.4"), Combo("3.13", NEWEST_TORCH, "2.6")]
+# CI's (--pinned): the Lightning minors other than the pinned 2.6, on the project's .venv.
+PINNED_COMBOS = [
+    Combo(f"{sys.version_info.major}.{sys.version_info.minor}", PINNED, lit)
+    for lit in LIGHTNING
+    if lit != "2.6"
+]
+
+
+def _pin(name: str) -> str:
+    """The version constraints.txt pins ``name`` to."""
+    for line in CONSTRAINTS.read_text().splitlines():
+        if line.startswith(f"{name}=="):
+            return line.split("==", 1)[1].strip()
+    raise SystemExit(f"compat: constraints.txt pins no {name}")
+
+
+def _pip_env(constraints: Path | None = None) -> dict[str, str]:
+    # Without a constraints file, or with ours: an empty PIP_CONSTRAINT alone does not lift
+    # one set in a pip configuration file (pip falls back to the file), so the files are
+    # left out too.
+    return dict(
+        os.environ,
+        PIP_CONSTRAINT=str(constraints or ""),
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+    )
+
+
+def _python(version: str) -> str:
+    """An interpreter of ``version``: on PATH, or installed by pyenv (whose shim on PATH
+    fails for a version that is not selected)."""
+    candidates = [
+        str(p / "bin" / "python")
+        for p in (Path.home() / ".pyenv" / "versions").glob(f"{version}.*")
+    ]
+    candidates += filter(None, [shutil.which(f"python{version}")])
+    for exe in sorted(candidates):
+        if subprocess.run([exe, "-c", ""], capture_output=True).returncode == 0:
+            return exe
+    raise SystemExit(f"compat: no python{version} on PATH or under ~/.pyenv/versions")
+
+
+def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... failed ({done.returncode}); see {log}")
+
+
+def _install(
+    py: Path, requirements: list[str], log: Path, *extra: str, constraints: Path | None = None
+) -> None:
+    """Download ``requirements`` into the wheel cache (files already there are reused, so a
+    second run needs no network), then install them from there alone."""
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    env = _pip_env(constraints)
+    deps = ["--no-deps"] if "--no-deps" in extra else []
+    fetch = [str(py), "-m", "pip", "download", "-q", "--only-binary=:all:", *deps]
+    _run([*fetch, "-d", str(WHEELS), "--find-links", str(WHEELS), *requirements], log, env)
+    install = [str(py), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(WHEELS)]
+    _run([*install, *extra, *requirements], log, env)
+
+
+def _without_lightning(log: Path) -> Path:
+    """constraints.txt without its Lightning pins, for the layers of the other minors."""
+    kept = [
+        line
+        for line in CONSTRAINTS.read_text().splitlines()
+        if not line.startswith(("lightning==", "pytorch-lightning=="))
+    ]
+    path = log.with_suffix(".constraints.txt")
+    path.write_text("\n".join(kept) + "\n")
+    return path
+
+
+def ensure_env(combo: Combo, log: Path) -> Path:
+    """The Python of ``combo``'s environment, built if needed, and its Lightning layer."""
+    py = combo.env / "bin" / "python"
+    if combo.torch == PINNED:
+        sys.path.insert(0, str(ROOT))
+        import dev  # the project's .venv, as `python3 dev.py test` makes it
+
+        dev.ensure_venv()
+    elif not (combo.env / ".complete").exists():
+        shutil.rmtree(combo.env, ignore_errors=True)
+        combo.env.parent.mkdir(parents=True, exist_ok=True)
+        _run([_python(combo.python), "-m", "venv", str(combo.env)], log)
+        # Lightning's newest, for its dependencies; each combination's own comes in a layer.
+        _install(py, [f"torch=={combo.torch}", *TEST_TOOLS, f"lightning=={LIGHTNING['2.6']}"], log)
+        (combo.env / ".complete").write_text(combo.torch)
+    if not (combo.layer / ".complete").exists():
+        shutil.rmtree(combo.layer, ignore_errors=True)
+        want = f"lightning=={LIGHTNING[combo.lightning]}"
+        # Lightning alone (no dependencies): torch is never resolved for a layer.
+        pins = _without_lightning(log) if combo.torch == PINNED else None
+        _install(py, [want], log, "--no-deps", "--target", str(combo.layer), constraints=pins)
+        (combo.layer / ".complete").write_text(want)
+    if combo.torch != PINNED:
+        # The checkout under test, installed editable (with its metadata): a quick step.
+        editable = ["-e", str(ROOT), "--no-deps", "--no-build-isolation", "--no-index"]
+        _run([str(py), "-m", "pip", "install", "-q", *editable], log, _pip_env())
+    return py
+
+
+def run_combo(combo: Combo, logs: Path, pytest_args: list[str]) -> dict[str, str]:
+    """Build ``combo``'s environment, run the compat subset in it; each area's result."""
+    log = logs / (combo.name.replace(" ", "-") + ".log")
+    log.unlink(missing_ok=True)
+    try:
+        py = ensure_env(combo, log)
+    except RuntimeError as err:
+        print(f"  {err}", flush=True)
+        return {area: "no env" for area in AREAS}
+    report = logs / (combo.name.replace(" ", "-") + ".json")
+    report.unlink(missing_ok=True)
+    env = dict(os.environ, BUCKETDDP_COMPAT_REPORT=str(report))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(combo.layer), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    cmd = [str(py), "-m", "pytest", "-q", "-m", "compat", "-p", "no:cacheprovider", *pytest_args]
+    with log.open("a") as out:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, check=False)
+    summary = log.read_text(errors="replace").strip().splitlines()[-1:]
+    print(f"  pytest: {summary[0] if summary else '(no output)'}", flush=True)
+    if not report.exists():
+        return {area: "error" for area in AREAS}
+    outcomes: dict[str, list[str]] = json.loads(report.read_text())
+    results = {}
+    for area in AREAS:
+        seen = outcomes.get(area, [])
+        if not seen:
+            results[area] = "—"
+        elif all(o == "passed" for o in seen):
+            results[area] = "pass"
+        elif all(o in ("passed", "skipped") for o in seen):
+            results[area] = "skip"
+        else:
+            results[area] = "FAIL"
+    return results
+
+
+def table(rows: dict[Combo, dict[str, str]]) -> str:
+    lines = [
+        "| Python | torch | Lightning | " + " | ".join(AREAS) + " |",
+        "|---|---|---|" + "---|" * len(AREAS),
+    ]
+    for combo, results in rows.items():
+        cells = [combo.python, combo.torch, LIGHTNING[combo.lightning]]
+        lines.append("| " + " | ".join(cells + [results[a] for a in AREAS]) + " |")
+    return "\n".join(lines)
+
+
+def write_page(rows: dict[Combo, dict[str, str]]) -> None:
+    TABLE.write_text(
+        "# Compatibility\n\n"
+        "The releases bucketddp is tested with, as measured by `python3 dev.py compat` on "
+        f"{time.strftime('%Y-%m-%d')}: each row is one environment installed from the "
+        "package index (torch's CUDA build, run on CPU), each column one area of the suite "
+        "(the tests marked `compat`; `pytest -m compat` lists them). "
+        "`pass`: every test of the area passed; `FAIL`: at least one failed; "
+        "`skip`: the area's tests skipped themselves.\n\n"
+        + table(rows)
+        + "\n\nThe full suite, not only this subset, runs on the pinned stack in CI "
+        "(constraints.txt), with the Lightning minors on the pinned torch as well "
+        "(`.ci/run`).\n"
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dev.py compat", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="run the combinations whose name contains TEXT, e.g. 'torch 2.6' or 'py3.13' "
+        "(repeatable; a combination must contain every TEXT)",
+    )
+    parser.add_argument(
+        "--pinned",
+        action="store_true",
+        help="CI's run: Lightning 2.4 and 2.5 on the project's pinned .venv (torch "
+        "from constraints.txt), instead of the matrix",
+    )
+    parser.add_argument("--list", action="store_true", help="list the combinations and stop")
+    parser.add_argument(
+        "--no-write", action="store_true", help="print the table, leave docs/ alone"
+    )
+    args, pytest_args = parser.parse_known_args(argv)
+    combos = PINNED_COMBOS if args.pinned else COMBOS
+    chosen = [c for c in combos if all(text in c.name for text in args.only)]
+    if args.list or not chosen:
+        print("\n".join(c.name for c in combos))
+        return 0 if chosen else 2
+    logs = CACHE / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rows: dict[Combo, dict[str, str]] = {}
+    for combo in chosen:
+        start = time.monotonic()
+        print(f"compat: {combo.name} ...", flush=True)
+        rows[combo] = run_combo(combo, logs, pytest_args)
+        took = time.monotonic() - start
+        print(f"  {' '.join(f'{a}={r}' for a, r in rows[combo].items())} ({took:.0f} s)")
+    print(table(rows))
+    if not args.no_write and not args.pinned and len(rows) == len(COMBOS):
+        write_page(rows)
+        print(f"compat: wrote {TABLE.relative_to(ROOT)}")
+    elif not args.no_write and not args.pinned:
+        print("compat: a subset ran; docs/compatibility.md is written only by a full run")
+    print(f"compat: logs in {logs}")
+    ok = all(r in ("pass", "skip") for results in rows.values() for r in results.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
