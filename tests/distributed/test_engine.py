@@ -372,6 +372,11 @@ def test_flags_in_several_rows_still_name_unused_parameters() -> None:
         assert "'left.weight'" in r["message"] and "'never.weight'" in r["message"]
 
 
+def _complex_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(4, 6, dtype=torch.complex64, generator=g), torch.randn(4, 3, generator=g)
+
+
 def _complex(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     opts = dict(opts)
     hook = opts.pop("comm_hook", None)
@@ -379,14 +384,23 @@ def _complex(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     for name, wrap in (("ours", BucketDataParallel), ("theirs", DDP)):
         torch.manual_seed(0)
         model = torch.nn.Linear(6, 3).to(torch.complex64)
-        wrapped = wrap(model, **opts)
-        if hook is not None:
+        try:
+            wrapped = wrap(model, **opts)
+        except RuntimeError as err:
+            if name == "ours" or "Invalid scalar type" not in str(err):
+                raise
+            # torch DDP before 2.6 cannot broadcast complex parameters when it wraps them:
+            # there the ground truth is one process on the global batch.
+            wrapped, world_batches = model, True
+        else:
+            world_batches = False
+        if hook is not None and wrapped is not model:
             wrapped.register_comm_hook(None, hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for step in range(3):
-            g = torch.Generator().manual_seed(10 * step + rank)
-            x = torch.randn(4, 6, dtype=torch.complex64, generator=g)
-            (wrapped(x).abs() - torch.randn(4, 3, generator=g)).pow(2).mean().backward()
+            batches = [_complex_batch(step, r) for r in (range(world) if world_batches else [rank])]
+            x, y = (torch.cat(parts) for parts in zip(*batches, strict=True))
+            (wrapped(x).abs() - y).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
         out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -47,6 +47,9 @@ def _against_ddp(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize("case", CASES)
 def test_sync_options_give_the_weights_and_buffers_of_torch_ddp(case: str) -> None:
     opts = CASES[case]
+    missing = sorted(set(opts) - set(inspect.signature(DDP).parameters))
+    if missing:  # init_sync came in torch 2.7 to 2.10, forward_sync_buffers in 2.13
+        pytest.skip(f"torch DDP {torch.__version__} takes no {missing}: no ground truth here")
     results = run_ranks(_against_ddp, 2, opts, timeout=90)
     assert_pairs_match(results)
     params = [r["params"][0] for r in results]
