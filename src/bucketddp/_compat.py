@@ -1,12 +1,11 @@
-"""Where the supported torch releases differ: one function for each API that changed.
+"""What differs between the torch and Lightning releases bucketddp supports, each behind one
+function.
 
-bucketddp runs on torch 2.4 to 2.15 (docs/compatibility.md). Each torch API that is not
-the same across those releases, and each private one we rely on, is reached through a
-function here with its one fallback, so that the rest of the package reads as if there
-were a single torch release, and a new release touches this file only. Lightning's
-differences (2.4 to 2.6) are here too, without importing Lightning.
-
-This module imports nothing beyond torch.
+bucketddp runs on torch 2.4 to 2.15 and Lightning 2.4 to 2.6 (docs/compatibility.md).
+Every torch or Lightning API that some supported release lacks, or spells differently, and
+each private torch API we rely on, is reached through this module, with one fallback each,
+so that a version bump touches one file and no version checks are scattered through the
+package. It imports nothing beyond torch (not Lightning).
 """
 
 from __future__ import annotations
@@ -14,9 +13,47 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+
+def base_store(store: dist.Store) -> dist.Store:
+    """The store under any ``PrefixStore`` wrappers of ``store``."""
+    while isinstance(store, dist.PrefixStore):
+        inner = getattr(store, "underlying_store", None)
+        if inner is None:  # a release without the attribute: stop at the prefix store
+            return store
+        store = inner
+    return store
+
+
+def store_connection(store: dist.Store, timeout: timedelta) -> dist.Store:
+    """A new client connection to the server behind ``store``, for another thread's calls.
+
+    A ``TCPStore`` (under any prefixes) gets a new ``TCPStore`` client to the same host and
+    port, which gives up connecting after ``timeout`` (``Store.clone()`` would wait the
+    process group's whole timeout, and exists only on newer releases). Keys are not
+    prefixed as ``store``'s are: the caller picks its own. Any other store is cloned where
+    this torch can, else returned as it is (calls then share its connection).
+    """
+    base = base_store(store)
+    if isinstance(base, dist.TCPStore):
+        return dist.TCPStore(
+            base.host,
+            base.port,
+            is_master=False,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    clone = getattr(store, "clone", None)
+    if clone is None:
+        return store
+    own: dist.Store = clone()
+    own.set_timeout(timeout)
+    return own
 
 
 def preserve_version_counters(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -43,6 +44,7 @@ from ._compat import weights_only_kwargs
 from .buffers import Policy
 from .checkpoint import Source, check_source, load_checkpoint, strip_prefix
 from .fabric_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
+from .faults import release
 from .options import DEFAULT_STALL_TIMEOUT, EngineOptions
 from .parallel import BucketDataParallel
 from .strategy_common import (
@@ -173,6 +175,7 @@ class BucketFabricDDP(DDPStrategy):
         )
         self._backward_sync_control = _BucketBackwardSyncControl()
         self._averager: PeriodicModelAverager | None = None
+        self._wrapped: weakref.WeakSet[BucketDataParallel] = weakref.WeakSet()
 
     @property
     def engine_options(self) -> EngineOptions:
@@ -217,7 +220,16 @@ class BucketFabricDDP(DDPStrategy):
             wrapped.register_comm_hook(*self._options.comm_hook)
         if self._options.averaging is not None and self._averager is None:
             self._averager = _averager(*self._options.averaging)
+        self._wrapped.add(wrapped)
         return wrapped
+
+    @override
+    def teardown(self) -> None:
+        """Stop watching the modules set up here (the watchdog ends with the last one),
+        then Fabric's teardown. The modules stay wrapped and usable, as with "ddp"."""
+        for wrapped in list(self._wrapped):
+            release(wrapped)
+        super().teardown()
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

@@ -124,17 +124,27 @@ class EngineOptions:
 
     @classmethod
     def from_arguments(
-        cls, arguments: Mapping[str, Any], options: EngineOptions | None = None, **extra: Any
+        cls,
+        arguments: Mapping[str, Any],
+        options: EngineOptions | None = None,
+        *,
+        stacklevel: int = 2,
+        **extra: Any,
     ) -> EngineOptions:
         """The options among a caller's ``arguments`` (its ``locals()``), or ``options``.
 
         The wrapper and the strategy take every engine option as a keyword of their own;
         this picks them out by name, so that neither lists them twice. ``extra`` adds
-        fields that are not keywords of theirs (``unused_hint``).
+        fields that are not keywords of theirs (``unused_hint``). Options built from the
+        keywords warn as torch DDP does (:func:`warn_deprecated`), at the frame
+        ``stacklevel`` above the caller (the user's line, by default).
         """
         names = [f.name for f in dataclasses.fields(cls)]
         given = {name: arguments[name] for name in names if name in arguments}
-        return cls.from_keywords(options, **given, **extra)
+        built = cls.from_keywords(options, **given, **extra)
+        if options is None:
+            warn_deprecated(built, stacklevel + 2)
+        return built
 
     @classmethod
     def from_keywords(cls, options: EngineOptions | None = None, /, **given: Any) -> EngineOptions:
@@ -346,7 +356,7 @@ BROADCAST_BUFFERS_DEPRECATED = (
 )
 
 
-def warn_deprecated(options: EngineOptions, stacklevel: int = 3) -> None:
+def warn_deprecated(options: EngineOptions, stacklevel: int) -> None:
     """Warn where torch DDP would: a FutureWarning for ``broadcast_buffers``, when given and
     this torch's DDP deprecates it (torch 2.13 on, see ``_compat``)."""
     if options.broadcast_buffers is not None and ddp_deprecates_broadcast_buffers():

@@ -18,7 +18,7 @@ from .buckets import BucketPlan
 from .buffers import BufferSync, Policy
 from .comm import broadcast_coalesced, module_device, verify_same_model
 from .comm_hooks import CommHook
-from .faults import PROGRESS, watch
+from .faults import PROGRESS, release, watch
 from .faults.progress import BUFFER_SYNC, FORWARD, USER_CODE
 from .forward_io import hook_outputs, output_hook, refuse_dist_autograd, to_device
 from .join import BucketJoinHook, check_joinable, training_step
@@ -31,7 +31,7 @@ from .module_checks import (
     set_ignored,
     sparse_parameters,
 )
-from .options import DEFAULT_STALL_TIMEOUT, EngineOptions, ForwardSyncSwitch, warn_deprecated
+from .options import DEFAULT_STALL_TIMEOUT, EngineOptions, ForwardSyncSwitch
 from .placement import input_device, reduce_group
 from .reducer import NO_TRAINABLE, CommStats, Reducer
 from .reducer.order import learned_order, load_order
@@ -116,7 +116,6 @@ class BucketDataParallel(nn.Module, Joinable):
     ) -> None:
         check_wrappable(module, BucketDataParallel)
         options = EngineOptions.from_arguments(locals(), options)
-        warn_deprecated(options)
         super().__init__()
         Joinable.__init__(self)
         self.options = options
@@ -170,8 +169,6 @@ class BucketDataParallel(nn.Module, Joinable):
             )
         self.buffers_sync.reset_baseline()
         self.reducer = self._new_reducer()
-        if options.watchdog:
-            watch(self, options.stall_timeout)
         if options.find_unused_parameters and dist.get_world_size(process_group) > 1:
             # The ranks may run different layers in a step, so a bucket's all-reduce starts
             # at a different point of each rank's backward and could cross a SyncBatchNorm
@@ -180,8 +177,13 @@ class BucketDataParallel(nn.Module, Joinable):
         # torch DDP's rule: buffers are synced before a forward that follows a synced,
         # grad-enabled forward (and before the very first one).
         self._sync_buffers_next = True
-        # Parameter and submodule assignments in the process, when the parameters were
-        # last compared with the reducer's: a change means they may have been replaced.
+        self._watch()
+
+    def _watch(self) -> None:
+        """Start the watchdog (if on), and note the module assignments made so far."""
+        if self.options.watchdog:
+            watch(self, self.options.stall_timeout)
+        # Later assignments (here, or after torch.load in a new process) may replace parameters.
         _structure.watch()
         self._registrations = _structure.registrations()
 
@@ -344,11 +346,7 @@ class BucketDataParallel(nn.Module, Joinable):
         self.buffers_sync.world_size = self.reducer.world_size  # torch.load: maybe another
         if order is not None:
             load_order(self.reducer, order)
-        if self.options.watchdog:
-            watch(self, self.options.stall_timeout)
-        # torch.load in a new process: the module-change check needs its counter there too.
-        _structure.watch()
-        self._registrations = _structure.registrations()
+        self._watch()
 
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters this wrapper synchronizes: all but the ignored ones."""
@@ -422,8 +420,9 @@ class BucketDataParallel(nn.Module, Joinable):
         return self.buffers_sync.sync()
 
     def remove_hooks(self) -> None:
-        """Detach the reducer's and the buffer sync's hooks, leaving ``.module`` plain."""
+        """Detach the reducer's and buffer sync's hooks, and leave the watchdog's watch."""
         _detach(self.reducer, self.buffers_sync)
+        release(self)
 
     def prepare_for_backward(self, output: Any = None) -> None:
         """Make the next backward this wrapper's to reduce, as a forward through it does.

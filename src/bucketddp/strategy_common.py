@@ -85,7 +85,7 @@ class StrategyOptions:
                 ``sync_batchnorm`` other than True or False, or bad hook options (see
                 ``comm_hook_from`` and ``check_model_averaging``).
         """
-        engine = EngineOptions.from_arguments(arguments, unused_hint=unused_hint)
+        engine = EngineOptions.from_arguments(arguments, stacklevel=3, unused_hint=unused_hint)
         check_switches(sync_batchnorm=arguments["sync_batchnorm"])
         state, period = arguments["ddp_comm_state"], arguments["model_averaging_period"]
         hook = comm_hook_from(arguments["ddp_comm_hook"], state, arguments["ddp_comm_wrapper"])

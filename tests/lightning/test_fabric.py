@@ -103,6 +103,13 @@ def test_save_and_load_round_trip(ranks: list[dict[str, Any]]) -> None:
         assert_same(r["prefixed"], {k: ckpt["model"][k] for k in r["prefixed"]})
 
 
+def test_the_watchdog_ends_with_the_strategys_teardown(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["watchdogs/before"] == 0
+        assert r["watchdogs/running"] == 1
+        assert r["watchdogs/after_teardown"] == 0
+
+
 def test_bad_options_fail_when_the_strategy_is_built() -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

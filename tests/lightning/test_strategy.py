@@ -421,6 +421,7 @@ def test_fit_wraps_and_teardown_unwraps(lifecycle: tuple[Path, list[dict[str, An
             assert seen[stage]["wrapper"] == "Counting", stage
         assert r["after_fit"]["is_plain"]
         assert r["after_fit"]["hooks"] == 0
+        assert r["after_fit"]["watchdogs"] == 0  # it ended with the strategy's teardown
         assert r["eval_hooks"] == 0
 
 

@@ -9,8 +9,10 @@ torchrun. Every run builds its model from the same seed and reads the same batch
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from multirank import watchdog_threads
 
 WORLD_SIZE = 2
 LOCAL_ROWS = 4
@@ -175,7 +179,25 @@ def all_runs(rank: int, world_size: int, out: str) -> dict[str, Any]:
 
     r.update(_post_local_sgd(rank))
     r.update(_round_trip(rank, Path(out)))
+    del fabric, ddp, bucket, model, optimizer
+    r.update(_teardown())
     return r
+
+
+def _teardown() -> dict[str, int]:
+    """Watchdog threads: with no module set up, with one, and after the strategy's teardown."""
+    gc.collect()  # the modules of the runs above: collected, so no longer watched
+    deadline = time.monotonic() + 5.0
+    while watchdog_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out = {"watchdogs/before": watchdog_threads()}
+    fabric = _fabric("bucket_ddp")
+    model, optimizer = _setup(fabric)
+    _loop(fabric, model, optimizer, range(1))
+    out["watchdogs/running"] = watchdog_threads()
+    fabric.strategy.teardown()
+    out["watchdogs/after_teardown"] = watchdog_threads()
+    return out
 
 
 def _post_local_sgd(rank: int) -> dict[str, Any]:

@@ -53,6 +53,7 @@ from lightning_models import (
     hook_count,
     weights,
 )
+from multirank import watchdog_threads
 
 torch.set_num_threads(1)
 
@@ -234,6 +235,7 @@ def lifecycle(out: Path) -> dict[str, Any]:
     result["after_fit"] = {
         "is_plain": trainer.strategy.model is model,
         "hooks": hook_count(model),
+        "watchdogs": watchdog_threads(),
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
     }
 

@@ -29,6 +29,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -56,6 +57,11 @@ def raised(fn: Callable[[], object], kind: type[Exception] = RuntimeError) -> st
     except kind as e:
         return str(e)
     return "nothing raised"
+
+
+def watchdog_threads() -> int:
+    """How many bucketddp watchdog threads run in this process (for lifetime checks)."""
+    return sum(t.name == "bucketddp-watchdog" and t.is_alive() for t in threading.enumerate())
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ progress (``progress.PROGRESS``); the Lightning strategy reports the exceptions 
 training (``current().report_exception``) and hands over the processes it launched.
 """
 
-from .monitor import Watchdog, adopt_children, current, watch
+from .monitor import Watchdog, adopt_children, current, release, watch
 from .progress import PROGRESS
 from .report import RankFailedError, RankStalledError
 
@@ -16,5 +16,6 @@ __all__ = [
     "Watchdog",
     "adopt_children",
     "current",
+    "release",
     "watch",
 ]

@@ -1,9 +1,14 @@
 """The fault board: what the ranks tell each other about failures, through the store.
 
-The board is the rendezvous store the default process group was created with (TCPStore
-under torchrun, Lightning and ``init_method="tcp://"``; a FileStore works too), opened on a
-connection of its own (``Store.clone()``) so that a blocking ``get`` of the process group's
-never holds up the watchdog. No transport of our own: keys under ``bucketddp/faults/``.
+The board lives on the rendezvous store the default process group was created with
+(TCPStore under torchrun, Lightning and ``init_method="tcp://"``; a FileStore works too),
+on a client connection of its own, so that a blocking ``get`` of the process group's never
+holds up the watchdog. No transport of our own: keys under ``bucketddp/faults/``, one
+namespace per torchrun attempt (torchrun's store outlives the workers it restarts).
+
+The connection is opened by ``connect()``, on the watchdog's thread: opening one can take
+seconds (the store's host resolves each new client's address, and a slow name server
+holds every new connection up), and building a wrapper must not wait for it.
 
 Keys (one writer each, except the counters):
     events          counter, bumped after each fault record or stall alarm: the one key
@@ -17,13 +22,22 @@ Keys (one writer each, except the counters):
 from __future__ import annotations
 
 import json
+import os
+import threading
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from .._compat import store_connection
+
 PREFIX = "bucketddp/faults"
-STORE_TIMEOUT = timedelta(seconds=10)
+STORE_TIMEOUT = timedelta(seconds=10)  # for each call on the board
+CONNECT_TIMEOUT = timedelta(seconds=15)  # for opening the connection
+
+
+class NotConnected(RuntimeError):
+    """The board's store connection is not open (yet)."""
 
 
 def default_store() -> dist.Store:
@@ -31,16 +45,41 @@ def default_store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
+def namespace() -> str:
+    """The board's key prefix: one per torchrun attempt, whose store keeps earlier keys."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return PREFIX if run is None or attempt is None else f"{PREFIX}/{run}/{attempt}"
+
+
 class Board:
-    """One rank's view of the fault board."""
+    """One rank's view of the fault board; ``connect()`` opens it (no I/O before)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
-        own = store.clone()  # type: ignore[attr-defined]
-        own.set_timeout(STORE_TIMEOUT)
-        # Typed Any: the stubs lack append and clone, which every c10d store has.
-        self._store: Any = dist.PrefixStore(PREFIX, own)
+        self._source = store
+        # Typed Any: the stubs lack append, which every c10d store has.
+        self._own: Any = None
+        self._connected = threading.Event()
         self.rank = rank
         self.world_size = world_size
+
+    def connect(self) -> None:
+        """Open the board's own store connection; raises what the store raises."""
+        own = store_connection(self._source, CONNECT_TIMEOUT)
+        if own is not self._source:
+            own.set_timeout(STORE_TIMEOUT)
+        self._own = dist.PrefixStore(namespace(), own)
+        self._connected.set()
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Whether the connection is open, waiting up to ``timeout`` s for it."""
+        return self._connected.wait(timeout)
+
+    @property
+    def _store(self) -> Any:
+        if self._own is None:
+            raise NotConnected("the fault board's store connection is not open")
+        return self._own
 
     # -- what every rank does every interval
     def beat(self, value: str) -> None:

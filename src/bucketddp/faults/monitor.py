@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..reducer.inflight import describe
 from ..reducer.state import ReducerState
 from . import progress as prog
-from .board import Board, default_store
+from .board import CONNECT_TIMEOUT, Board, default_store
 from .report import RankFailedError, RankStalledError, failed_message, stall_message
 
 INTERVAL = 0.5  # seconds between heartbeats
@@ -45,6 +45,9 @@ PEER_DELAY = 1.0  # a rank failing by itself at the same point gets to say so fi
 GRACE = 5.0  # seconds the main thread has to take the exception before the exit
 NEIGHBOUR_AFTER = 2.0  # waiting this long, a rank starts watching its neighbour's heartbeat
 SILENT_AFTER = 3.0  # a heartbeat unchanged this long means the rank is gone
+# ... and unchanged over this many of our own beats, so that a store that held every
+# client up for a while (its host resolving a new client's name) is not taken for silence
+SILENT_BEATS = int(SILENT_AFTER / INTERVAL)
 REPORT_WAIT = 3.0  # how long a stalled job waits for every rank's report
 INTERRUPT = getattr(signal, "SIGUSR2", None)
 _ERRORS = (RankFailedError, RankStalledError)
@@ -80,12 +83,13 @@ def _note(exc: BaseException, text: str) -> None:
 class Watchdog:
     """The per-process watchdog of one job (see the module docstring)."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, engine: Engine) -> None:
         self.board = Board(store, rank, world_size)
         self.rank = rank
         self.world_size = world_size
         self.stall_timeout: float | None = None
-        self.engines: weakref.WeakSet[Any] = weakref.WeakSet()
+        # The wrappers watched; the watchdog ends when the last one is released or collected.
+        self.engines: weakref.WeakSet[Any] = weakref.WeakSet([engine])
         self.children: dict[int, Any] = {}  # rank -> Popen, for a launcher's processes
         self._seen_events = 0
         self._peer_faults: list[dict[str, Any]] = []
@@ -99,7 +103,8 @@ class Watchdog:
         self._warned = False
         self._board_gone = False  # the store stopped answering
         self._reported = False
-        self._neighbour: tuple[str | None, float] | None = None
+        self._neighbour: tuple[str, float, int] | None = None  # (beat, seen at, our beat no.)
+        self._beats = 0
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
         self._previous_hook = sys.excepthook
@@ -110,6 +115,7 @@ class Watchdog:
             self._main = None  # no handler: a stuck or busy main thread gets the exit
         sys.excepthook = self._excepthook
         atexit.register(self.stop)
+        # Everything that touches the store, opening the connection first, runs on this thread.
         self._thread = threading.Thread(target=self._run, name="bucketddp-watchdog", daemon=True)
         self._thread.start()
 
@@ -133,11 +139,15 @@ class Watchdog:
             return
         record = self._record(kind="raised", secondary=secondary)
         record.update(type=type(exc).__name__, message=str(exc)[:2000])
+        # A failure in the first moments may come before the connection is open.
+        self.board.wait_connected(CONNECT_TIMEOUT.total_seconds())
         with contextlib.suppress(Exception):  # the store is gone: nobody to tell
             self.board.post_fault(record)
 
     def explain(self, wait: float = SILENT_AFTER + 1.0) -> str | None:
         """Why the other ranks stopped answering, from the board; waits up to ``wait`` s."""
+        if not self.board.wait_connected(wait):
+            return None  # the watchdog never reached the store: nothing to go by
         deadline = time.monotonic() + wait
         others = [r for r in range(self.world_size) if r != self.rank]
         first: dict[int, str | None] = {}
@@ -194,18 +204,53 @@ class Watchdog:
         raise pending[0](pending[1])
 
     def stop(self) -> None:
-        """Stop watching: a normal exit, or the process group was destroyed."""
+        """Stop watching, and wait for the thread to end (an exit, a teardown, ...)."""
         # No last word to the store: its host (rank 0) may have exited first, and c10d
         # would print a warning for the broken connection.
         self._stop.set()
+        atexit.unregister(self.stop)
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_hook
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            # Let the thread leave its store call first: a daemon thread that comes back
+            # from C++ while the interpreter shuts down ends the process with SIGABRT.
+            self._thread.join(CONNECT_TIMEOUT.total_seconds())
+
+    def release(self, engine: object) -> None:
+        """``engine`` is done (its strategy tore down); the last one stops the watchdog."""
+        self.engines.discard(engine)
+        if not self.engines:
+            self.stop()
 
     # ----------------------------------------------------------- the watchdog thread
+    def _connect(self) -> bool:
+        """Open the board's connection, trying again until it opens or watching ends."""
+        warned = False
+        while not self._stop.is_set() and dist.is_initialized():
+            try:
+                self.board.connect()
+                return True
+            except Exception as e:
+                if not warned:
+                    warned = True
+                    print(
+                        f"bucketddp: the watchdog cannot reach the store yet ({e}); failures "
+                        "are not named until it does. Trying again.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            self._stop.wait(INTERVAL)
+        return False
+
     def _run(self) -> None:
+        if not self._connect():
+            return
         n = 0
         while True:
             if n and self._stop.wait(INTERVAL):
                 return
-            if not dist.is_initialized():
+            if not dist.is_initialized() or not self.engines:
+                # The group was destroyed, or every wrapper was collected: nothing to watch.
                 self.stop()
                 return
             if self._board_gone:
@@ -216,6 +261,7 @@ class Watchdog:
             try:
                 n += 1
                 self.board.beat(json.dumps(self._record(kind="beat", n=n)))
+                self._beats = n
                 events = self.board.events()
                 if events != self._seen_events:
                     self._seen_events = events
@@ -325,14 +371,16 @@ class Watchdog:
     def _watch_neighbour(self) -> None:
         rank = (self.rank + 1) % self.world_size
         beat = self.board.beat_of(rank)
+        if beat is None:
+            return  # its watchdog has not reached the store yet: no silence to judge
         now = time.monotonic()
         if self._neighbour is None or self._neighbour[0] != beat:
-            self._neighbour = (beat, now)
+            self._neighbour = (beat, now, self._beats)
             return
         silent = now - self._neighbour[1]
-        if silent < SILENT_AFTER:
+        if silent < SILENT_AFTER or self._beats - self._neighbour[2] < SILENT_BEATS:
             return
-        last = json.loads(beat) if beat else {"rank": rank}
+        last = json.loads(beat)
         self.board.post_fault(
             {**last, "rank": rank, "kind": "died", "silent_s": silent, "seen_by": self.rank}
         )
@@ -399,14 +447,21 @@ def watch(engine: Engine, stall_timeout: float | None) -> Watchdog | None:
         return None
     with _LOCK:
         if _WATCHDOG is None or _WATCHDOG._stop.is_set():
-            _WATCHDOG = Watchdog(default_store(), dist.get_rank(), dist.get_world_size())
+            _WATCHDOG = Watchdog(default_store(), dist.get_rank(), dist.get_world_size(), engine)
             _WATCHDOG.children.update(_ADOPTED)
         dog = _WATCHDOG
-    dog.engines.add(engine)
+        dog.engines.add(engine)
     if stall_timeout is not None:
         current = dog.stall_timeout
         dog.stall_timeout = stall_timeout if current is None else min(current, stall_timeout)
     return dog
+
+
+def release(engine: Engine) -> None:
+    """``engine``'s strategy tore down: the watchdog ends if it watched nothing else."""
+    dog = current()
+    if dog is not None:
+        dog.release(engine)
 
 
 def current() -> Watchdog | None:

@@ -1,0 +1,146 @@
+"""The watchdog's life: it starts without holding up the wrapper, and ends with it.
+
+Building a wrapper never waits on the store; the watchdog connects on its own thread.
+
+The watchdog keeps a store connection of its own. Opening one can take seconds: the store's
+host looks up each new client's name, and on a name server that drops a query now and then
+that lookup waits 5 s, holding every new connection up meanwhile (it made CI hang: ranks
+1 and 2 stuck opening it in ``BucketDataParallel.__init__`` while rank 0 waited in the
+first broadcast, or had already finished and closed the store). Here the ranks other than
+0 reach rank 0's store through a proxy that forwards the process group's own connections
+and holds every later one, as such a host does.
+
+The watchdog's thread ends when the last wrapper it watches is done: ``remove_hooks()``
+(the Trainer strategy's teardown calls it), the Fabric strategy's teardown, or the wrapper
+being collected.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from bucketddp import BucketDataParallel
+from bucketddp.faults import RankFailedError, current
+from multirank import free_port, raised, run_ranks, watchdog_threads
+from store_proxy import HoldingProxy
+
+WORLD = 3
+
+
+def _regroup(rank: int, world: int, port: int, proxy_port: int) -> None:
+    """Replace run_ranks' group by one whose ranks 1.. reach the store through the proxy."""
+    dist.destroy_process_group()
+    timeout = timedelta(seconds=60)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", port, world, True, timeout, wait_for_workers=False)
+    else:
+        store = dist.TCPStore("127.0.0.1", proxy_port, world, False, timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _train_behind_held_store(rank: int, world: int, port: int, proxy_port: int) -> Any:
+    _regroup(rank, world, port, proxy_port)
+    started = time.monotonic()
+    ours = BucketDataParallel(_model())
+    built_s = time.monotonic() - started
+    theirs = DistributedDataParallel(_model())
+    for step in range(3):
+        torch.manual_seed(100 * step + rank)
+        x = torch.randn(4, 8)
+        for model in (ours, theirs):
+            model.zero_grad()
+            model(x).square().sum().backward()
+    grads = [(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)]
+    dog = current()
+    connected = dog is not None and dog.board.wait_connected(0.0)
+    return built_s, grads, connected
+
+
+def test_wrappers_are_built_while_the_store_holds_new_connections() -> None:
+    port = free_port()
+    with HoldingProxy(port, forward_first=WORLD - 1, hold_s=None) as proxy:
+        results = run_ranks(_train_behind_held_store, WORLD, port, proxy.port, timeout=60)
+        assert proxy.held == WORLD - 1  # each watchdog of ranks 1.. asked, and waits still
+    for rank, (built_s, grads, connected) in enumerate(results):
+        # Nothing on the caller's thread waits for the store: the wrapper is built at once.
+        assert built_s < 10.0, (rank, built_s)
+        for ours, theirs in grads:
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+        assert connected == (rank == 0)
+
+
+def _fail_once_connected(rank: int, world: int, port: int, proxy_port: int) -> str:
+    _regroup(rank, world, port, proxy_port)
+    model = BucketDataParallel(_model())
+    model(torch.randn(4, 8)).sum().backward()
+    dog = current()
+    assert dog is not None and dog.board.wait_connected(30.0), "the watchdog never connected"
+    if rank == 2:
+        # What the excepthook or the strategy does with an exception that ends training.
+        dog.report_exception(ValueError("boom on rank 2"))
+        time.sleep(8.0)  # still alive: the others are told, not left to find it gone
+        return "posted"
+    return raised(lambda: time.sleep(30.0), RankFailedError)
+
+
+def test_a_watchdog_that_connected_late_still_names_a_failure() -> None:
+    port = free_port()
+    with HoldingProxy(port, forward_first=WORLD - 1, hold_s=3.0) as proxy:
+        messages = run_ranks(_fail_once_connected, WORLD, port, proxy.port, timeout=60)
+    assert messages[2] == "posted"
+    for rank in (0, 1):
+        assert "rank 2" in messages[rank] and "boom on rank 2" in messages[rank], messages[rank]
+
+
+def _threads_after(wait_s: float) -> int:
+    deadline = time.monotonic() + wait_s
+    while watchdog_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return watchdog_threads()
+
+
+def _lifetimes(rank: int, world: int) -> dict[str, int]:
+    out = {}
+    first = BucketDataParallel(_model())
+    second = BucketDataParallel(_model())
+    out["two wrappers"] = watchdog_threads()
+    first.remove_hooks()
+    out["one released"] = watchdog_threads()
+    second.remove_hooks()
+    out["both released"] = watchdog_threads()  # stop() joins the thread: no wait
+    model = BucketDataParallel(_model())
+    model(torch.randn(4, 8)).sum().backward()
+    out["new wrapper"] = watchdog_threads()
+    del model
+    gc.collect()
+    out["collected"] = _threads_after(5.0)  # noticed at the thread's next beat
+    dist.barrier()
+    return out
+
+
+def test_the_watchdog_ends_with_the_last_wrapper_it_watches() -> None:
+    expected = {
+        "two wrappers": 1,
+        "one released": 1,
+        "both released": 0,
+        "new wrapper": 1,
+        "collected": 0,
+    }
+    assert run_ranks(_lifetimes, 2) == [expected, expected]
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-q"])

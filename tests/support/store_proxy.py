@@ -1,0 +1,85 @@
+"""A TCP proxy in front of a store server that holds up new connections, for the tests.
+
+The ranks other than 0 reach rank 0's TCPStore through it. It forwards the first
+``forward_first`` connections at once (the process group's own clients) and holds every
+later one: accepted, but not forwarded until ``hold_s`` seconds have passed (``None``:
+until the proxy closes). That is what a store's host does while it resolves a new client's
+name on a slow name server, the cause of wrappers that hung in their construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from types import TracebackType
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+    for s in (src, dst):
+        with contextlib.suppress(OSError):
+            s.shutdown(socket.SHUT_RDWR)
+
+
+class HoldingProxy:
+    """Listens on ``port`` (free, loopback) and forwards to ``target_port`` (see module)."""
+
+    def __init__(self, target_port: int, forward_first: int, hold_s: float | None) -> None:
+        self._target = target_port
+        self._forward_first = forward_first
+        self._hold_s = hold_s
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.1)
+        self.port = int(self._listener.getsockname()[1])
+        self.accepted = 0
+        self.held = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            self._sockets.append(conn)
+            self.accepted += 1
+            hold = self.accepted > self._forward_first
+            self.held += hold
+            threading.Thread(target=self._serve, args=(conn, hold), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, hold: bool) -> None:
+        if hold:
+            until = None if self._hold_s is None else time.monotonic() + self._hold_s
+            while not self._closed.wait(0.05):
+                if until is not None and time.monotonic() >= until:
+                    break
+            if self._closed.is_set():
+                return
+        upstream = socket.create_connection(("127.0.0.1", self._target))
+        self._sockets.append(upstream)
+        threading.Thread(target=_pump, args=(upstream, conn), daemon=True).start()
+        _pump(conn, upstream)
+
+    def close(self) -> None:
+        """Stop accepting and drop every connection."""
+        self._closed.set()
+        for s in [self._listener, *self._sockets]:
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def __enter__(self) -> HoldingProxy:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
