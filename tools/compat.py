@@ -41,7 +41,7 @@ CONSTRAINTS = ROOT / "constraints.txt"
 
 # The latest patch of each Lightning minor in the window.
 LIGHTNING = {"2.4": "2.4.0", "2.5": "2.5.6", "2.6": "2.6.6"}
-OLDEST_TORCH = "2.4.1"
+OLDEST_TORCH = "2.5.1"
 NEWEST_TORCH = "2.15.0"
 TORCHES = [OLDEST_TORCH, "2.6.0", "2.10.0", "2.13.0", NEWEST_TORCH]
 AREAS = ["engine", "buffers", "syncbn", "watchdog", "resume", "fit", "fabric", "notebook"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _registry
+from . import _compat, _registry  # noqa: F401  (_compat first: it refuses an older torch)
 from .buckets import Bucket, BucketPlan
 from .checkpoint import broadcast_checkpoint, load_checkpoint
 from .faults import RankFailedError, RankStalledError

@@ -1,7 +1,7 @@
 """What differs between the torch and Lightning releases bucketddp supports, each behind one
 function.
 
-bucketddp runs on torch 2.4 to 2.15 and Lightning 2.4 to 2.6 (docs/compatibility.md).
+bucketddp runs on torch 2.5 to 2.15 and Lightning 2.4 to 2.6 (docs/compatibility.md).
 Every torch or Lightning API that some supported release lacks, or spells differently, and
 each private torch API we rely on, is reached through this module, with one fallback each,
 so that a version bump touches one file and no version checks are scattered through the
@@ -18,6 +18,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+OLDEST_TORCH = "2.5"
+"""torch 2.4's autograd engine does not run a hook registered on the node that is running.
+The reducer registers one to finish a step whose first gradients come from a reentrant
+checkpoint's nested backward (``Reducer.finalize_backward``); on 2.4 such a step never
+finished, and its gradients stayed local."""
+
+
+def check_torch() -> None:
+    """Refuse a torch older than :data:`OLDEST_TORCH` at ``import bucketddp``.
+
+    Raises:
+        ImportError: naming the release found and the one needed.
+    """
+    if torch.__version__ < OLDEST_TORCH:
+        raise ImportError(
+            f"bucketddp needs torch {OLDEST_TORCH} or newer; this is torch {torch.__version__}, "
+            "whose autograd engine skips a hook bucketddp needs at the end of a reentrant "
+            f"checkpoint's backward. Upgrade: pip install 'torch>={OLDEST_TORCH}'"
+        )
 
 
 def base_store(store: dist.Store) -> dist.Store:
@@ -61,13 +81,13 @@ def preserve_version_counters(
 ) -> contextlib.AbstractContextManager[Any]:
     """A context that restores the tensors' autograd version counters when it exits.
 
-    torch 2.5 and later take the tuple at once; torch 2.4 takes one tensor, so each gets
+    torch 2.10 takes the tuple at once; torch 2.6 and older take one tensor, so each gets
     its own context there (:func:`_preserve_one_by_one`).
     """
     preserve = torch.autograd.grad_mode._unsafe_preserve_version_counter
     try:
         return preserve(tensors)
-    except (AttributeError, AssertionError, TypeError):  # torch 2.4: one tensor only
+    except (AttributeError, AssertionError, TypeError):  # one tensor only
         return _preserve_one_by_one(tensors)
 
 
@@ -82,7 +102,7 @@ def _preserve_one_by_one(tensors: tuple[torch.Tensor, ...]) -> contextlib.ExitSt
 
 def storage_use_count(storage: torch.UntypedStorage) -> int:
     """How many tensors (and storage handles) share ``storage``: a private count, present
-    from torch 2.4 to 2.15."""
+    from torch 2.5 to 2.15."""
     return int(torch._C._storage_Use_Count(storage._cdata))
 
 
@@ -104,3 +124,6 @@ def ddp_deprecates_broadcast_buffers() -> bool:
     """
     init = torch.nn.parallel.DistributedDataParallel.__init__
     return "forward_sync_buffers" in inspect.signature(init).parameters
+
+
+check_torch()  # at import bucketddp, which imports this module first

@@ -389,7 +389,7 @@ def _complex(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         except RuntimeError as err:
             if name == "ours" or "Invalid scalar type" not in str(err):
                 raise
-            # torch DDP before 2.6 cannot broadcast complex parameters when it wraps them:
+            # torch DDP of 2.6 and older cannot broadcast complex parameters as it wraps them:
             # there the ground truth is one process on the global batch.
             wrapped, world_batches = model, True
         else:

@@ -36,9 +36,22 @@ def test_version_counters_are_restored_on_either_path(path: str) -> None:
 
 
 @pytest.mark.compat("engine")
-def test_torch_2_4_takes_the_fallback_and_later_releases_the_tuple() -> None:
+def test_a_torch_that_takes_one_tensor_gets_the_fallback() -> None:
+    # torch 2.5 and 2.6 take one tensor (the fallback), 2.10 and later the tuple.
+    preserve = torch.autograd.grad_mode._unsafe_preserve_version_counter
+    one_only = "tensor" in inspect.signature(preserve).parameters
     chosen = _compat.preserve_version_counters((torch.zeros(1), torch.zeros(1)))
-    assert isinstance(chosen, contextlib.ExitStack) == (torch.__version__ < "2.5")
+    assert isinstance(chosen, contextlib.ExitStack) == one_only
+
+
+@pytest.mark.compat("engine")
+def test_this_torch_is_supported_and_the_check_names_the_release_needed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _compat.check_torch()  # import bucketddp ran it: this torch passes
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.4.1+cu121"))
+    with pytest.raises(ImportError, match=r"needs torch 2\.5 or newer; this is torch 2\.4\.1"):
+        _compat.check_torch()
 
 
 @pytest.mark.compat("engine")
