@@ -24,16 +24,26 @@ os.environ["MULTIRANK_PRELOAD"] = "torch._dynamo"
 
 
 # ``python3 dev.py compat`` (tools/compat.py) reads each area's outcomes from this file.
+# BUCKETDDP_COMPAT_AREAS (comma separated) keeps only those areas' compat tests.
 _COMPAT_REPORT = os.environ.get("BUCKETDDP_COMPAT_REPORT")
+_ONLY_AREAS = {a for a in os.environ.get("BUCKETDDP_COMPAT_AREAS", "").split(",") if a}
 _AREAS: dict[str, str] = {}
 _OUTCOMES: dict[str, str] = {}
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kept, dropped = [], []
     for item in items:
         marker = item.get_closest_marker("compat")
         if marker is not None:
             _AREAS[item.nodeid] = marker.args[0]
+        if _ONLY_AREAS and (marker is None or marker.args[0] not in _ONLY_AREAS):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
