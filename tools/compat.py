@@ -24,6 +24,7 @@ own pip calls only (``PIP_CONSTRAINT`` empty).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -173,6 +174,14 @@ def _without_lightning(log: Path) -> Path:
 def ensure_env(combo: Combo, log: Path) -> Path:
     """The Python of ``combo``'s environment, built if needed, and its Lightning layer."""
     py = combo.env / "bin" / "python"
+    (CACHE / "locks").mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "locks" / combo.env.name, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another run building the same environment
+        _build(combo, py, log)
+    return py
+
+
+def _build(combo: Combo, py: Path, log: Path) -> None:
     if combo.torch == PINNED:
         sys.path.insert(0, str(ROOT))
         import dev  # the project's .venv, as `python3 dev.py test` makes it
@@ -196,7 +205,6 @@ def ensure_env(combo: Combo, log: Path) -> Path:
         # The checkout under test, installed editable (with its metadata): a quick step.
         editable = ["-e", str(ROOT), "--no-deps", "--no-build-isolation", "--no-index"]
         _run([str(py), "-m", "pip", "install", "-q", *editable], log, _pip_env())
-    return py
 
 
 def run_combo(combo: Combo, logs: Path, pytest_args: list[str]) -> dict[str, str]:
