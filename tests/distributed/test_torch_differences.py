@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -29,34 +30,8 @@ FORWARD_SYNC_CASES: tuple[dict[str, bool], ...] = (
 
 
 def _dist_autograd(rank: int, world: int, port: int) -> dict[str, Any]:
-    import torch.distributed.autograd as dist_autograd
-    import torch.distributed.rpc as rpc
-
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world, rpc_backend_options=opts)
-    out: dict[str, Any] = {}
-    try:
-        for name, wrap in (("ddp", DDP), ("ours", BucketDataParallel)):
-            torch.manual_seed(0)
-            model = wrap(nn.Linear(3, 2))
-
-            def step(model: nn.Module = model) -> torch.Tensor:
-                with dist_autograd.context() as ctx:
-                    loss = model(torch.full((1, 3), rank + 1.0)).sum()
-                    dist_autograd.backward(ctx, [loss])
-                    return dist_autograd.get_gradients(ctx)[model.module.weight]
-
-            out[name] = step() if name == "ddp" else raised(step, NotImplementedError)
-            # Outside a context the wrapper trains as usual.
-            model(torch.ones(1, 3)).sum().backward()
-            out[name + "_plain"] = model.module.weight.grad.clone()
-    finally:
-        rpc.shutdown()
-    return out
-
-
-def _dist_backward_only(rank: int, world: int, port: int) -> dict[str, Any]:
-    """The forward outside ``dist_autograd.context()``, only the backward inside it."""
+    """Distributed autograd with the forward inside its context, and with the backward alone
+    inside it; then a plain step outside any context."""
     import contextlib
     import io
 
@@ -70,40 +45,47 @@ def _dist_backward_only(rank: int, world: int, port: int) -> dict[str, Any]:
         for name, wrap in (("ddp", DDP), ("ours", BucketDataParallel)):
             torch.manual_seed(0)
             model = wrap(nn.Linear(3, 2))
-            loss = model(torch.full((1, 3), rank + 1.0)).sum()
-            stderr = io.StringIO()
-            with dist_autograd.context() as ctx, contextlib.redirect_stderr(stderr):
-                try:
-                    dist_autograd.backward(ctx, [loss])
-                    grads = dist_autograd.get_gradients(ctx)
-                    out[name] = grads[model.module.weight].clone()
-                except RuntimeError as err:
-                    out[name] = f"{err} / {stderr.getvalue()}"
-            # Then the wrapper trains as usual, outside any context.
+            for forward_inside in (True, False):
+                stderr = io.StringIO()
+                loss = None if forward_inside else model(torch.full((1, 3), rank + 1.0)).sum()
+                with dist_autograd.context() as ctx, contextlib.redirect_stderr(stderr):
+                    try:
+                        if loss is None:
+                            loss = model(torch.full((1, 3), rank + 1.0)).sum()
+                        dist_autograd.backward(ctx, [loss])
+                        grad = dist_autograd.get_gradients(ctx)[model.module.weight].clone()
+                    except (NotImplementedError, RuntimeError) as err:
+                        grad = f"{err} / {stderr.getvalue()}"
+                out[name, "forward inside" if forward_inside else "backward only"] = grad
+            # Outside a context the wrapper trains as usual.
             model(torch.ones(1, 3)).sum().backward()
-            out[name + "_plain"] = model.module.weight.grad.clone()
+            out[name, "plain"] = model.module.weight.grad.clone()
     finally:
         rpc.shutdown()
     return out
 
 
-def test_distributed_backward_of_a_plain_forward_is_refused_where_torch_ddp_averages() -> None:
-    for r in run_ranks(_dist_backward_only, 2, free_port(), timeout=90):
-        torch.testing.assert_close(r["ddp"], torch.full((2, 3), 1.5))
-        # Never each rank's own gradient (1.0 or 2.0) in silence: an error on every rank.
-        assert isinstance(r["ours"], str), f"kept a gradient: {r['ours']}"
-        assert "does not reduce gradients computed with torch.distributed.autograd" in r["ours"]
-        assert "dist_autograd.backward() runs through this wrapper's output" in r["ours"]
-        torch.testing.assert_close(r["ours_plain"], r["ddp_plain"])
+@pytest.fixture(scope="module")
+def dist_autograd_runs() -> list[dict[str, Any]]:
+    return run_ranks(_dist_autograd, 2, free_port(), timeout=90)
 
 
-def test_distributed_autograd_is_refused_on_every_rank_where_torch_ddp_averages() -> None:
-    for r in run_ranks(_dist_autograd, 2, free_port(), timeout=90):
+@pytest.mark.parametrize("case", ["forward inside", "backward only"])
+def test_distributed_autograd_is_refused_on_every_rank_where_torch_ddp_averages(
+    dist_autograd_runs: list[dict[str, Any]], case: str
+) -> None:
+    # The forward inside dist_autograd.context(), or only dist_autograd.backward(ctx, [loss]).
+    for r in dist_autograd_runs:
         # torch DDP: the mean of the ranks' gradients (inputs 1 and 2).
-        torch.testing.assert_close(r["ddp"], torch.full((2, 3), 1.5))
-        assert "does not reduce gradients computed with torch.distributed.autograd" in r["ours"]
-        assert "torch.nn.parallel.DistributedDataParallel" in r["ours"]
-        torch.testing.assert_close(r["ours_plain"], r["ddp_plain"])
+        torch.testing.assert_close(r["ddp", case], torch.full((2, 3), 1.5))
+        # Never each rank's own gradient (1.0 or 2.0) in silence: an error on every rank.
+        ours = r["ours", case]
+        assert isinstance(ours, str), f"kept a gradient: {ours}"
+        assert "does not reduce gradients computed with torch.distributed.autograd" in ours
+        assert "torch.nn.parallel.DistributedDataParallel" in ours
+        if case == "backward only":
+            assert "dist_autograd.backward() runs through this wrapper's output" in ours
+        torch.testing.assert_close(r["ours", "plain"], r["ddp", "plain"])
 
 
 class _NoGradFor(torch.autograd.Function):
