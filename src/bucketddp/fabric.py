@@ -50,6 +50,7 @@ from .strategy_common import (
     CHECKPOINT_KEY,
     StrategyOptions,
     destroy_at_exit,
+    init_restartable_group,
     is_post_local_sgd,
     register_twins,
 )
@@ -185,6 +186,8 @@ class BucketFabricDDP(DDPStrategy):
     @override
     def _setup_distributed(self) -> None:
         existed = dist.is_available() and dist.is_initialized()
+        if not existed:
+            init_restartable_group(self._get_process_group_backend(), self._timeout)
         super()._setup_distributed()
         if not existed and dist.is_initialized():
             destroy_at_exit(dist.group.WORLD)

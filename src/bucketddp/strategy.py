@@ -48,7 +48,13 @@ from .faults import current as current_watchdog
 from .faults.progress import CHECKPOINT, COLLECTIVE
 from .options import DEFAULT_STALL_TIMEOUT
 from .parallel import BucketDataParallel
-from .strategy_common import CHECKPOINT_KEY, StrategyOptions, destroy_at_exit, register_twins
+from .strategy_common import (
+    CHECKPOINT_KEY,
+    StrategyOptions,
+    destroy_at_exit,
+    init_restartable_group,
+    register_twins,
+)
 from .strategy_launcher import WatchedProcessLauncher, WatchedScriptLauncher
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm, syncbn_layers
 
@@ -246,7 +252,10 @@ class BucketDDP(DDPStrategy):
     # ------------------------------------------------------------------ process group
     @override
     def setup_distributed(self) -> None:
+        """DDPStrategy's setup, with a group that forms after torchrun restarts the workers."""
         existed = dist.is_available() and dist.is_initialized()
+        if not existed:
+            init_restartable_group(self._get_process_group_backend(), self._timeout)
         super().setup_distributed()
         if not existed and dist.is_initialized():
             destroy_at_exit(dist.group.WORLD)

@@ -2,7 +2,8 @@
 
 - ``StrategyOptions``: the options both take besides the launcher's, checked once;
 - ``register_twins``: one twin of each DDP name Lightning registers, in its registry;
-- ``destroy_at_exit``: the default process group a strategy created, destroyed at exit.
+- ``destroy_at_exit``: the default process group a strategy created, destroyed at exit;
+- ``init_restartable_group``: under torchrun, a default group that forms after a restart.
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import atexit
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal, Protocol
 
 import torch.distributed as dist
 
+from .elastic.group import init_process_group, uses_agent_store
 from .options import EngineOptions, check_switches
 
 CHECKPOINT_KEY = "bucketddp"
@@ -150,6 +153,14 @@ def is_post_local_sgd(state: object | None) -> bool:
 # still holding the old one. A gloo group left alive into interpreter shutdown is what
 # makes Lightning runs end in "terminate called without an active exception" (SIGABRT).
 _created_group: dist.ProcessGroup | None = None
+
+
+def init_restartable_group(backend: str, timeout: timedelta | None) -> None:
+    """Under torchrun, create the default group first, on the agent's store with a key
+    namespace per attempt, so that it forms after a restart (``bucketddp.elastic.group``);
+    Lightning's own setup then finds it made. Anywhere else, do nothing."""
+    if not dist.is_initialized() and uses_agent_store():
+        init_process_group(backend, timeout=timeout)
 
 
 def destroy_at_exit(group: dist.ProcessGroup | None) -> None:
