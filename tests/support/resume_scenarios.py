@@ -23,7 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import bucketddp  # noqa: F401  (registers the strategy names)
@@ -50,16 +50,25 @@ def _record_opens() -> None:
 
 class Resumable(Counting):
     """Counting ("sum" and "none" buffers, BatchNorm, Adam), with a stateful or a plain
-    loader, extras of its own in the checkpoint, and a note of what it loaded."""
+    loader, extras of its own in the checkpoint, and a note of what it loaded.
 
-    def __init__(self, stateful: bool = True, policies: bool = True) -> None:
+    With ``shuffle`` Lightning's DistributedSampler draws each epoch's order from the seed
+    and the epoch; ``workers`` loader processes draw their first indices as the loader's
+    iterator is made.
+    """
+
+    def __init__(
+        self, stateful: bool = True, policies: bool = True, shuffle: bool = False, workers: int = 0
+    ) -> None:
         super().__init__(policies=policies)
-        self.stateful = stateful
+        self.stateful, self.shuffle, self.workers = stateful, shuffle, workers
         self.loaded_extras: Any = None
 
     def train_dataloader(self) -> DataLoader[Any]:
         loader = StatefulDataLoader if self.stateful else DataLoader
-        return loader(_table(32, 1), batch_size=4)
+        rows = _table(32, 1)
+        order = RandomSampler(rows) if self.shuffle else None
+        return loader(rows, batch_size=4, sampler=order, num_workers=self.workers)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["extras"] = {"note": "mine", "tensor": torch.full((3,), self.global_step)}
@@ -95,12 +104,13 @@ def _trainer(strategy: Any, max_steps: int, callbacks: list[Any]) -> pl.Trainer:
     return pl.Trainer(**options)
 
 
-def _resume(strategy: Any, path: str, max_steps: int, *, stateful: bool = True) -> dict[str, Any]:
-    """Fit from ``path`` to ``max_steps``; what the run ended with and what it loaded."""
+def _resume(strategy: Any, path: str, max_steps: int, **data: Any) -> dict[str, Any]:
+    """Fit from ``path`` to ``max_steps``; what the run ended with and what it loaded.
+    ``data``: the loader's options (``Resumable``'s ``stateful``, ``shuffle``, ``workers``)."""
     # The seed of the saving run: Lightning's DistributedSampler shuffles by it.
     pl.seed_everything(0, verbose=False)
     bucket = not isinstance(strategy, str)
-    model = Resumable(stateful=stateful, policies=bucket)
+    model = Resumable(policies=bucket, **data)
     with torch.no_grad():  # another start than the saving run's, for the load to undo
         for p in model.parameters():
             p.add_(1.0)
@@ -208,7 +218,49 @@ def at_world_size(out: Path, checkpoint: str) -> dict[str, Any]:
     }
 
 
-SCENARIOS = {"resume": resume, "at_world_size": at_world_size}
+LOADERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "stateful": ("stateful", {"stateful": True}),
+    "stateful_workers": ("stateful_workers", {"stateful": True, "workers": 1}),
+    "plain": ("plain", {"stateful": False}),
+    "plain_workers": ("plain", {"stateful": False, "workers": 1}),
+}
+"""The shuffled loaders of the ``epochs`` scenario: the straight run whose checkpoints each
+resumes from, and Resumable's options."""
+
+
+def epochs(out: Path, cases: str) -> dict[str, Any]:
+    """Resume in epochs 1 and 2 with the rows shuffled, against the run that never stopped.
+
+    Twelve steps straight (three epochs of four), a checkpoint after every step, for each
+    loader the cases need. ``cases``: comma-separated ``loader@step`` (BucketDDP, from rank
+    0's file) or ``loader@step/ddp`` (every rank reads the file).
+    """
+    rank = int(os.environ["NODE_RANK"])
+    wanted = [(c.split("@")[0], c.split("@")[1]) for c in cases.split(",")]
+    result: dict[str, Any] = {"rank": rank}
+    for source in sorted({LOADERS[loader][0] for loader, _ in wanted}):
+        pl.seed_everything(0, verbose=False)
+        model = Resumable(shuffle=True, **LOADERS[source][1])
+        saving = ModelCheckpoint(
+            dirpath=f"checkpoints/{source}", every_n_train_steps=1, save_top_k=-1, filename="{step}"
+        )
+        trainer = _trainer(BucketDDP(), 12, [saving])
+        trainer.fit(model)
+        result[f"straight/{source}"] = {
+            "weights": weights(model),
+            "optimizer": trainer.optimizers[0].state_dict()["state"],
+        }
+    trainer.strategy.barrier("checkpoints written")
+    for loader, at in wanted:
+        step, _, ddp = at.partition("/")
+        source, data = LOADERS[loader]
+        path = f"checkpoints/{source}/step={step}.ckpt"
+        strategy, path = ("ddp", str(out / "node0" / path)) if ddp else (BucketDDP(), path)
+        result[f"{loader}@{at}"] = _resume(strategy, path, 12, shuffle=True, **data)
+    return result
+
+
+SCENARIOS = {"resume": resume, "at_world_size": at_world_size, "epochs": epochs}
 
 
 def main() -> None:
