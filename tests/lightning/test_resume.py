@@ -109,16 +109,27 @@ def test_where_resuming_is_not_exact(resumed: tuple[Path, list[dict[str, Any]]])
             assert not torch.equal(want["net.0.weight"], again["net.0.weight"]), label
 
 
-EPOCH_CASES = (
+EXACT = (
     # StatefulDataLoader: mid-epoch in epoch 1 and in epoch 2, and on epoch 1's last batch.
-    "stateful@6,stateful@9,stateful@8,"
+    "stateful@step=6,stateful@step=9,stateful@step=8,"
+    # At epoch 1's end (on_train_epoch_end), fitting to max_epochs.
+    "stateful@epoch=1/max_epochs,"
     # With a worker process, which draws its first indices as the loader's iterator is made.
-    "stateful_workers@9,plain_workers@4,"
-    # A plain DataLoader at the end of epoch 1; and two resumes under "ddp".
-    "plain@8,plain@8/ddp,stateful@6/ddp"
+    "stateful_workers@step=9,plain_workers@step=4,"
+    # A plain DataLoader at the end of epoch 1.
+    "plain@step=8"
 )
-"""The ``epochs`` scenario's resumes: ``loader@step``, 4 steps an epoch (see
-resume_scenarios.LOADERS); ``/ddp``: under "ddp"."""
+"""The ``epochs`` scenario's resumes BucketDDP makes bit for bit: ``loader@checkpoint``,
+4 steps an epoch (see resume_scenarios.LOADERS), to step 12 or ``/max_epochs`` 3."""
+EPOCH_CASES = (
+    f"{EXACT},"
+    # Under "ddp".
+    "plain@step=8/ddp,stateful@step=6/ddp,"
+    # Not exact, under either: at epoch 1's end fitting to max_steps, and
+    # StatefulDataLoader(shuffle=True) in epoch 0.
+    "plain@epoch=1,plain@epoch=1/ddp,torchdata_shuffle@step=2,torchdata_shuffle@step=2/ddp"
+)
+"""All of the ``epochs`` scenario's resumes; ``/ddp``: under "ddp"."""
 
 
 @pytest.fixture(scope="module")
@@ -135,12 +146,13 @@ def test_resumed_in_a_later_epoch_goes_on_in_that_epochs_order(
     # The checkpoints are what the cases say: (epoch, its batches done, samples this rank's
     # loader has yielded in it).
     for path, want in (
-        ("stateful/step=6.ckpt", (1, 2, 8)),
-        ("stateful/step=9.ckpt", (2, 1, 4)),
-        ("stateful/step=8.ckpt", (1, 4, 16)),
-        ("plain/step=4.ckpt", (0, 4, None)),
+        ("stateful/step=6", (1, 2, 8)),
+        ("stateful/step=9", (2, 1, 4)),
+        ("stateful/step=8", (1, 4, 16)),
+        ("stateful/epoch=1", (1, 4, 16)),
+        ("plain/step=4", (0, 4, None)),
     ):
-        ckpt = torch.load(saved / path, weights_only=False)
+        ckpt = torch.load(saved / f"{path}.ckpt", weights_only=False)
         loop = ckpt["loops"]["fit_loop"]
         batches = loop["epoch_loop.batch_progress"]["current"]["processed"]
         loaders = loop["state_dict"].get("combined_loader")
@@ -150,10 +162,9 @@ def test_resumed_in_a_later_epoch_goes_on_in_that_epochs_order(
         # Each loader sees the same batches, in the sampler's order for each epoch.
         for source in ("plain", "stateful_workers"):
             _assert_exact(r[f"straight/{source}"], r["straight/stateful"])
-        for case in EPOCH_CASES.split(","):
-            if not case.endswith("/ddp"):
-                assert r[case]["global_step"] == 12, case
-                _assert_exact(r[case], r["straight/stateful"])
+        for case in EXACT.split(","):
+            assert r[case]["global_step"] == 12, case
+            _assert_exact(r[case], r["straight/stateful"])
 
 
 def test_ddp_resumes_a_later_epoch_in_epoch_0s_order(
@@ -163,9 +174,29 @@ def test_ddp_resumes_a_later_epoch_in_epoch_0s_order(
     # sets the sampler's epoch after making the loader's iterator); at an epoch's end, a
     # plain DataLoader without workers resumes as under BucketDDP.
     for rank, r in enumerate(epochs[1]):
-        again, want = r["stateful@6/ddp"]["weights"], r["straight/stateful"]["weights"]
+        again, want = r["stateful@step=6/ddp"]["weights"], r["straight/stateful"]["weights"]
         assert not torch.equal(want["net.0.weight"], again["net.0.weight"])
-        _assert_like_ddp(r["plain@8"]["weights"], r["plain@8/ddp"]["weights"], rank, tol=0.0)
+        _assert_like_ddp(r["plain@step=8"]["weights"], r["plain@step=8/ddp"]["weights"], rank, 0.0)
+
+
+def test_where_resuming_in_a_later_epoch_is_not_exact(
+    epochs: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    # What docs/strategy.md warns of, under "ddp" alike:
+    # - a checkpoint saved at an epoch's end (on_train_epoch_end), fitting to max_steps:
+    #   Lightning counts the next epoch's first batch in the finished epoch, ends that epoch
+    #   after it and goes on in the order of the epoch after;
+    # - StatefulDataLoader(shuffle=True) shuffles by torchdata's RandomSampler, which
+    #   Lightning wraps (DistributedSamplerWrapper) instead of replacing; each iterator made
+    #   of it draws a new order from the sampler's generator, whose state is in no
+    #   checkpoint. Resumed in epoch 0 already, the run sees other batches.
+    for rank, r in enumerate(epochs[1]):
+        for source, file in (("plain", "epoch=1"), ("torchdata_shuffle", "step=2")):
+            case = f"{source}@{file}"
+            ours, ddp = r[case]["weights"], r[f"{case}/ddp"]["weights"]
+            want = r[f"straight/{source}"]["weights"]
+            assert not torch.equal(want["net.0.weight"], ours["net.0.weight"]), case
+            _assert_like_ddp(ours, ddp, rank)
 
 
 def test_ddp_checkpoint_with_module_prefix_resumes(

@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -52,13 +52,19 @@ class Resumable(Counting):
     """Counting ("sum" and "none" buffers, BatchNorm, Adam), with a stateful or a plain
     loader, extras of its own in the checkpoint, and a note of what it loaded.
 
-    With ``shuffle`` Lightning's DistributedSampler draws each epoch's order from the seed
-    and the epoch; ``workers`` loader processes draw their first indices as the loader's
-    iterator is made.
+    ``shuffle="sampler"`` passes torch's RandomSampler, which Lightning replaces by its
+    DistributedSampler: each epoch's order comes from the seed and the epoch.
+    ``shuffle="loader"`` passes ``shuffle=True``, with which a StatefulDataLoader shuffles by
+    torchdata's own RandomSampler, which Lightning wraps instead. ``workers`` loader
+    processes draw their first indices as the loader's iterator is made.
     """
 
     def __init__(
-        self, stateful: bool = True, policies: bool = True, shuffle: bool = False, workers: int = 0
+        self,
+        stateful: bool = True,
+        policies: bool = True,
+        shuffle: Literal["sampler", "loader"] | None = None,
+        workers: int = 0,
     ) -> None:
         super().__init__(policies=policies)
         self.stateful, self.shuffle, self.workers = stateful, shuffle, workers
@@ -67,8 +73,9 @@ class Resumable(Counting):
     def train_dataloader(self) -> DataLoader[Any]:
         loader = StatefulDataLoader if self.stateful else DataLoader
         rows = _table(32, 1)
-        order = RandomSampler(rows) if self.shuffle else None
-        return loader(rows, batch_size=4, sampler=order, num_workers=self.workers)
+        order = RandomSampler(rows) if self.shuffle == "sampler" else None
+        options = {"shuffle": True} if self.shuffle == "loader" else {"sampler": order}
+        return loader(rows, batch_size=4, num_workers=self.workers, **options)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["extras"] = {"note": "mine", "tensor": torch.full((3,), self.global_step)}
@@ -95,18 +102,24 @@ class Tally(pl.Callback):
         self.batches = state_dict["batches"]
 
 
-def _trainer(strategy: Any, max_steps: int, callbacks: list[Any]) -> pl.Trainer:
+def _trainer(
+    strategy: Any, max_steps: int, callbacks: list[Any], max_epochs: int | None = None
+) -> pl.Trainer:
     options = {**QUIET, "devices": 1, "num_nodes": NODES, "limit_val_batches": 0}
     options.update(strategy=strategy, max_steps=max_steps, callbacks=callbacks)
+    options["max_epochs"] = max_epochs
     options["num_sanity_val_steps"] = 0
     if any(isinstance(c, ModelCheckpoint) for c in callbacks):
         options["enable_checkpointing"] = True
     return pl.Trainer(**options)
 
 
-def _resume(strategy: Any, path: str, max_steps: int, **data: Any) -> dict[str, Any]:
-    """Fit from ``path`` to ``max_steps``; what the run ended with and what it loaded.
-    ``data``: the loader's options (``Resumable``'s ``stateful``, ``shuffle``, ``workers``)."""
+def _resume(
+    strategy: Any, path: str, max_steps: int, max_epochs: int | None = None, **data: Any
+) -> dict[str, Any]:
+    """Fit from ``path`` to ``max_steps`` (or ``max_epochs``, with ``max_steps=-1``); what
+    the run ended with and what it loaded. ``data``: the loader's options (``Resumable``'s
+    ``stateful``, ``shuffle``, ``workers``)."""
     # The seed of the saving run: Lightning's DistributedSampler shuffles by it.
     pl.seed_everything(0, verbose=False)
     bucket = not isinstance(strategy, str)
@@ -116,7 +129,7 @@ def _resume(strategy: Any, path: str, max_steps: int, **data: Any) -> dict[str, 
             p.add_(1.0)
     tally, observe = Tally(), Observe()
     OPENED.clear()
-    trainer = _trainer(strategy, max_steps, [tally, observe])
+    trainer = _trainer(strategy, max_steps, [tally, observe], max_epochs)
     trainer.fit(model, ckpt_path=path)
     return {
         "weights": weights(model),
@@ -219,10 +232,14 @@ def at_world_size(out: Path, checkpoint: str) -> dict[str, Any]:
 
 
 LOADERS: dict[str, tuple[str, dict[str, Any]]] = {
-    "stateful": ("stateful", {"stateful": True}),
-    "stateful_workers": ("stateful_workers", {"stateful": True, "workers": 1}),
-    "plain": ("plain", {"stateful": False}),
-    "plain_workers": ("plain", {"stateful": False, "workers": 1}),
+    "stateful": ("stateful", {"stateful": True, "shuffle": "sampler"}),
+    "stateful_workers": (
+        "stateful_workers",
+        {"stateful": True, "shuffle": "sampler", "workers": 1},
+    ),
+    "plain": ("plain", {"stateful": False, "shuffle": "sampler"}),
+    "plain_workers": ("plain", {"stateful": False, "shuffle": "sampler", "workers": 1}),
+    "torchdata_shuffle": ("torchdata_shuffle", {"stateful": True, "shuffle": "loader"}),
 }
 """The shuffled loaders of the ``epochs`` scenario: the straight run whose checkpoints each
 resumes from, and Resumable's options."""
@@ -231,20 +248,24 @@ resumes from, and Resumable's options."""
 def epochs(out: Path, cases: str) -> dict[str, Any]:
     """Resume in epochs 1 and 2 with the rows shuffled, against the run that never stopped.
 
-    Twelve steps straight (three epochs of four), a checkpoint after every step, for each
-    loader the cases need. ``cases``: comma-separated ``loader@step`` (BucketDDP, from rank
-    0's file) or ``loader@step/ddp`` (every rank reads the file).
+    Twelve steps straight (three epochs of four) for each loader the cases need, with a
+    checkpoint after every step (``step=N``, saved after the batch) and at every epoch's end
+    (``epoch=N``, saved in on_train_epoch_end). ``cases``: comma-separated
+    ``loader@file[/ddp][/max_epochs]``: resume from ``file`` under BucketDDP (from rank 0's
+    file) or "ddp" (every rank reads the file), to step 12 or to the end of epoch 2.
     """
     rank = int(os.environ["NODE_RANK"])
     wanted = [(c.split("@")[0], c.split("@")[1]) for c in cases.split(",")]
     result: dict[str, Any] = {"rank": rank}
     for source in sorted({LOADERS[loader][0] for loader, _ in wanted}):
         pl.seed_everything(0, verbose=False)
-        model = Resumable(shuffle=True, **LOADERS[source][1])
-        saving = ModelCheckpoint(
-            dirpath=f"checkpoints/{source}", every_n_train_steps=1, save_top_k=-1, filename="{step}"
+        model = Resumable(**LOADERS[source][1])
+        where = {"dirpath": f"checkpoints/{source}", "save_top_k": -1}
+        steps = ModelCheckpoint(filename="{step}", every_n_train_steps=1, **where)
+        ends = ModelCheckpoint(
+            filename="{epoch}", every_n_epochs=1, save_on_train_epoch_end=True, **where
         )
-        trainer = _trainer(BucketDDP(), 12, [saving])
+        trainer = _trainer(BucketDDP(), 12, [steps, ends])
         trainer.fit(model)
         result[f"straight/{source}"] = {
             "weights": weights(model),
@@ -252,11 +273,13 @@ def epochs(out: Path, cases: str) -> dict[str, Any]:
         }
     trainer.strategy.barrier("checkpoints written")
     for loader, at in wanted:
-        step, _, ddp = at.partition("/")
+        file, *flags = at.split("/")
         source, data = LOADERS[loader]
-        path = f"checkpoints/{source}/step={step}.ckpt"
+        path = f"checkpoints/{source}/{file}.ckpt"
+        ddp = "ddp" in flags
         strategy, path = ("ddp", str(out / "node0" / path)) if ddp else (BucketDDP(), path)
-        result[f"{loader}@{at}"] = _resume(strategy, path, 12, shuffle=True, **data)
+        stop = (-1, 3) if "max_epochs" in flags else (12, None)
+        result[f"{loader}@{at}"] = _resume(strategy, path, *stop, **data)
     return result
 
 
