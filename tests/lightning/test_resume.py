@@ -3,8 +3,9 @@
 Each rank runs in a working directory of its own (tests/support/resume_scenarios.py), as on
 nodes with local disks only, and ``ckpt_path`` is relative: the file exists in rank 0's
 directory alone. The ground truth is the run that never stopped (bit for bit), and
-Lightning's ``"ddp"`` resumed from copies of the same files. The ``resume`` scenario's rows
-come in order; the ``epochs`` scenario shuffles them, so that each epoch has its own order.
+Lightning's ``"ddp"`` resumed from copies of the same files. Lightning's DistributedSampler
+gives each epoch its own order of the rows; the ``epochs`` scenario resumes in epochs 1 and
+2.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ EXACT = (
 EPOCH_CASES = (
     f"{EXACT},"
     # Under "ddp".
-    "plain@step=8/ddp,stateful@step=6/ddp,"
+    "plain@step=8/ddp,stateful@step=6/ddp,plain_workers@step=4/ddp,"
     # Not exact, under either: at epoch 1's end fitting to max_steps, and
     # StatefulDataLoader(shuffle=True) in epoch 0.
     "plain@epoch=1,plain@epoch=1/ddp,torchdata_shuffle@step=2,torchdata_shuffle@step=2/ddp"
@@ -170,12 +171,14 @@ def test_resumed_in_a_later_epoch_goes_on_in_that_epochs_order(
 def test_ddp_resumes_a_later_epoch_in_epoch_0s_order(
     epochs: tuple[Path, list[dict[str, Any]]],
 ) -> None:
-    # Under "ddp" a stateful loader resumed in epoch 1 goes on in epoch 0's order (Lightning
-    # sets the sampler's epoch after making the loader's iterator); at an epoch's end, a
-    # plain DataLoader without workers resumes as under BucketDDP.
+    # Under "ddp" a stateful loader resumed in epoch 1, and a loader with a worker process
+    # resumed at epoch 0's end, go on in epoch 0's order (Lightning sets the sampler's epoch
+    # after making the loader's iterator); at an epoch's end, a plain DataLoader without
+    # workers resumes as under BucketDDP.
     for rank, r in enumerate(epochs[1]):
-        again, want = r["stateful@step=6/ddp"]["weights"], r["straight/stateful"]["weights"]
-        assert not torch.equal(want["net.0.weight"], again["net.0.weight"])
+        want = r["straight/stateful"]["weights"]["net.0.weight"]
+        for case in ("stateful@step=6/ddp", "plain_workers@step=4/ddp"):
+            assert not torch.equal(want, r[case]["weights"]["net.0.weight"]), case
         _assert_like_ddp(r["plain@step=8"]["weights"], r["plain@step=8/ddp"]["weights"], rank, 0.0)
 
 

@@ -18,12 +18,12 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import bucketddp  # noqa: F401  (registers the strategy names)
@@ -52,19 +52,15 @@ class Resumable(Counting):
     """Counting ("sum" and "none" buffers, BatchNorm, Adam), with a stateful or a plain
     loader, extras of its own in the checkpoint, and a note of what it loaded.
 
-    ``shuffle="sampler"`` passes torch's RandomSampler, which Lightning replaces by its
-    DistributedSampler: each epoch's order comes from the seed and the epoch.
-    ``shuffle="loader"`` passes ``shuffle=True``, with which a StatefulDataLoader shuffles by
-    torchdata's own RandomSampler, which Lightning wraps instead. ``workers`` loader
-    processes draw their first indices as the loader's iterator is made.
+    Under DDP Lightning replaces the loader's sampler (torch's SequentialSampler) by its
+    DistributedSampler, which shuffles the rows anew each epoch, from the seed and the
+    epoch. With ``shuffle`` a StatefulDataLoader shuffles by torchdata's own RandomSampler,
+    which Lightning wraps instead. ``workers`` loader processes draw their first indices as
+    the loader's iterator is made.
     """
 
     def __init__(
-        self,
-        stateful: bool = True,
-        policies: bool = True,
-        shuffle: Literal["sampler", "loader"] | None = None,
-        workers: int = 0,
+        self, stateful: bool = True, policies: bool = True, shuffle: bool = False, workers: int = 0
     ) -> None:
         super().__init__(policies=policies)
         self.stateful, self.shuffle, self.workers = stateful, shuffle, workers
@@ -73,9 +69,7 @@ class Resumable(Counting):
     def train_dataloader(self) -> DataLoader[Any]:
         loader = StatefulDataLoader if self.stateful else DataLoader
         rows = _table(32, 1)
-        order = RandomSampler(rows) if self.shuffle == "sampler" else None
-        options = {"shuffle": True} if self.shuffle == "loader" else {"sampler": order}
-        return loader(rows, batch_size=4, num_workers=self.workers, **options)
+        return loader(rows, batch_size=4, shuffle=self.shuffle, num_workers=self.workers)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["extras"] = {"note": "mine", "tensor": torch.full((3,), self.global_step)}
@@ -232,21 +226,18 @@ def at_world_size(out: Path, checkpoint: str) -> dict[str, Any]:
 
 
 LOADERS: dict[str, tuple[str, dict[str, Any]]] = {
-    "stateful": ("stateful", {"stateful": True, "shuffle": "sampler"}),
-    "stateful_workers": (
-        "stateful_workers",
-        {"stateful": True, "shuffle": "sampler", "workers": 1},
-    ),
-    "plain": ("plain", {"stateful": False, "shuffle": "sampler"}),
-    "plain_workers": ("plain", {"stateful": False, "shuffle": "sampler", "workers": 1}),
-    "torchdata_shuffle": ("torchdata_shuffle", {"stateful": True, "shuffle": "loader"}),
+    "stateful": ("stateful", {"stateful": True}),
+    "stateful_workers": ("stateful_workers", {"stateful": True, "workers": 1}),
+    "plain": ("plain", {"stateful": False}),
+    "plain_workers": ("plain", {"stateful": False, "workers": 1}),
+    "torchdata_shuffle": ("torchdata_shuffle", {"stateful": True, "shuffle": True}),
 }
-"""The shuffled loaders of the ``epochs`` scenario: the straight run whose checkpoints each
-resumes from, and Resumable's options."""
+"""The loaders of the ``epochs`` scenario: the straight run whose checkpoints each resumes
+from, and Resumable's options."""
 
 
 def epochs(out: Path, cases: str) -> dict[str, Any]:
-    """Resume in epochs 1 and 2 with the rows shuffled, against the run that never stopped.
+    """Resume in epochs 1 and 2, each in its own order, against the run that never stopped.
 
     Twelve steps straight (three epochs of four) for each loader the cases need, with a
     checkpoint after every step (``step=N``, saved after the batch) and at every epoch's end
