@@ -12,8 +12,9 @@ while fitting, the LightningModule is wrapped in ``BucketDataParallel`` instead 
 - the learned bucket order travels in the checkpoint under ``checkpoint["bucketddp"]``;
 - a checkpoint only rank 0 can see is read there and sent to the others
   (``bucketddp.checkpoint``);
-- a fit resumed in epoch 1 or later trains that epoch on its own sample order, where
-  Lightning's loop would replay epoch 0's (``bucketddp.sampler_epoch``);
+- a fit resumed from a checkpoint starts its first epoch where the uninterrupted fit would:
+  in that epoch's sample order, where Lightning's loop would replay epoch 0's
+  (``bucketddp.sampler_epoch``);
 - ``sync_batchnorm`` converts BatchNorm layers to ``bucketddp.SyncBatchNorm``, which also
   works on CPU/gloo, and converts them back at teardown.
 
