@@ -12,6 +12,9 @@ while fitting, the LightningModule is wrapped in ``BucketDataParallel`` instead 
 - the learned bucket order travels in the checkpoint under ``checkpoint["bucketddp"]``;
 - a checkpoint only rank 0 can see is read there and sent to the others
   (``bucketddp.checkpoint``);
+- a fit resumed from a checkpoint starts its first epoch where the uninterrupted fit would:
+  in that epoch's sample order, where Lightning's loop would replay epoch 0's
+  (``bucketddp.sampler_epoch``);
 - ``sync_batchnorm`` converts BatchNorm layers to ``bucketddp.SyncBatchNorm``, which also
   works on CPU/gloo, and converts them back at teardown.
 
@@ -48,6 +51,7 @@ from .faults import current as current_watchdog
 from .faults.progress import CHECKPOINT, COLLECTIVE
 from .options import DEFAULT_STALL_TIMEOUT
 from .parallel import BucketDataParallel
+from .sampler_epoch import SavedLoaders, realign_sampler_epoch
 from .strategy_common import (
     CHECKPOINT_KEY,
     StrategyOptions,
@@ -65,7 +69,10 @@ from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm, syncbn_layers
 #   ``_layer_sync`` (the SyncBatchNorm plugin the accelerator connector assigns) and
 #   ``_setup_model`` (the hook that wraps the module), all overridden or read below;
 # - ``_configure_launcher`` and ``_SubprocessScriptLauncher`` (replaced by the watched
-#   launcher of ``strategy_launcher.py``, which depends on more).
+#   launcher of ``strategy_launcher.py``, which depends on more);
+# - for ``sampler_epoch.py``: the fit loop's ``_combined_loader`` and ``_data_fetcher``
+#   (its training loaders and the fetcher that made their iterator), and where a
+#   checkpoint keeps the loaders' states (``loops/fit_loop/state_dict/combined_loader``).
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -229,6 +236,8 @@ class BucketDDP(DDPStrategy):
         self._saved_plan: dict[str, Any] | None = None
         # The order the last fit learned, for checkpoints saved after fit.
         self._learned_plan: dict[str, Any] | None = None
+        # The training loaders' part of a loaded checkpoint, until fit's first epoch.
+        self._saved_loaders = SavedLoaders()
 
     # ------------------------------------------------------------------ SyncBatchNorm
     # The accelerator connector assigns ``strategy._layer_sync`` after construction: Lightning's
@@ -367,6 +376,19 @@ class BucketDDP(DDPStrategy):
         super().on_test_start()
 
     @override
+    def on_train_start(self) -> None:
+        """A resumed fit: give the training samplers the resumed epoch before its first
+        batch (``bucketddp.sampler_epoch``), so that it is not trained on epoch 0's order."""
+        saved, self._saved_loaders = self._saved_loaders, SavedLoaders()
+        assert self.lightning_module is not None
+        if realign_sampler_epoch(self.lightning_module.trainer.fit_loop, saved):
+            rank_zero_debug(
+                "BucketDDP: the training samplers were at another epoch than the resumed "
+                "one; set it, and made the loader's iterator again"
+            )
+        super().on_train_start()
+
+    @override
     def on_train_end(self) -> None:
         """Sync buffers once more, so the module the user holds after fit agrees."""
         self._sync_buffers()
@@ -399,12 +421,15 @@ class BucketDDP(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Read ``ckpt_path`` on every rank, or on rank 0 alone when another rank does not
-        see it: the others then receive it (``checkpoint_source``, ``docs/strategy.md``)."""
+        see it: the others then receive it (``checkpoint_source``, ``docs/strategy.md``).
+        A copy of the training loaders' states is kept for ``on_train_start``."""
         read = functools.partial(DDPStrategy.load_checkpoint, self, weights_only=weights_only)
         exists = lambda path: get_filesystem(path).exists(path)  # noqa: E731
-        return load_checkpoint(
+        checkpoint = load_checkpoint(
             checkpoint_path, source=self._checkpoint_source, read=read, exists=exists
         )
+        self._saved_loaders = SavedLoaders.from_checkpoint(checkpoint)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -440,6 +465,7 @@ class BucketDDP(DDPStrategy):
             wrapped.remove_hooks()
             self.model = self.lightning_module
         self._saved_plan = None
+        self._saved_loaders = SavedLoaders()
         super().teardown()
 
     # ------------------------------------------------------------------- registry
