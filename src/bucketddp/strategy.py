@@ -59,6 +59,7 @@ from .strategy_common import (
     init_restartable_group,
     register_twins,
 )
+from .strategy_elastic import TrainerElastic
 from .strategy_launcher import WatchedProcessLauncher, WatchedScriptLauncher
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm, syncbn_layers
 
@@ -164,14 +165,19 @@ class BucketDDP(DDPStrategy):
             to the ranks when some rank does not see the file; else each rank reads its
             own), ``"rank0"`` (always rank 0) or ``"local"`` (each rank, as ``"ddp"``).
             See ``bucketddp.load_checkpoint``.
+        elastic: under torchrun, snapshot the training state to node-local shared memory
+            and, after torchrun restarts the workers, resume from the newest snapshot on
+            any node, at the same world size or another (``docs/elastic.md``).
+        snapshot_every: with ``elastic``, take a snapshot every this many optimizer steps.
 
     Raises:
-        TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm``
-            other than True or False.
+        TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm`` or
+            ``elastic`` other than True or False.
         ValueError: a bad engine option (see ``EngineOptions``), a hook state or wrapper
             without a hook, a ``model_averaging_period`` that is missing with a
-            ``PostLocalSGDState``, given without one, or not a positive integer, or an
-            unknown ``checkpoint_source``.
+            ``PostLocalSGDState``, given without one, or not a positive integer, an
+            unknown ``checkpoint_source``, or a ``snapshot_every`` that is not a positive
+            integer.
     """
 
     def __init__(
@@ -208,8 +214,13 @@ class BucketDDP(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         checkpoint_source: Source = "auto",
+        # Elastic training under torchrun (docs/elastic.md).
+        elastic: bool = False,
+        snapshot_every: int = 1,
     ) -> None:
         options = StrategyOptions.from_arguments(locals(), UNUSED_HINT)
+        every = options.snapshot_every
+        self._elastic = TrainerElastic(every) if every is not None else None
         self._checkpoint_source = check_source(checkpoint_source)
         self._engine_options = options.engine
         self._comm_hook = options.comm_hook
@@ -277,6 +288,8 @@ class BucketDDP(DDPStrategy):
             self._launcher = WatchedScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
+            if (elastic := self._elastic) is not None:
+                self._launcher.before_fit = functools.partial(elastic.before_fit, self)
         elif type(self._launcher) is _MultiProcessingLauncher:
             method = self._start_method  # spawn, fork or forkserver: popen is handled above
             self._launcher = WatchedProcessLauncher(self, start_method=method)  # type: ignore[arg-type]
@@ -376,6 +389,27 @@ class BucketDDP(DDPStrategy):
         super().on_test_start()
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Under ``elastic=True``, the training loader's sampler becomes an
+        ``ElasticSampler`` (a resumed epoch goes on where it stopped, at any world size)."""
+        if self._elastic is not None and self.lightning_module is not None:
+            return self._elastic.process_dataloader(self.lightning_module.trainer, dataloader)
+        return dataloader
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """DDPStrategy's; after an elastic resume, the first one first puts back this
+        rank's RNG states and rank-local buffers."""
+        if self._elastic is not None:
+            self._elastic.before_training_step(self._wrapped)
+        return super().training_step(*args, **kwargs)
+
+    def plan_entry(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the wrapper's bucket plan (order, tuned sizes)."""
+        wrapped = self._wrapped
+        return _plan_entry(wrapped) if wrapped is not None else dict(self._learned_plan or {})
+
+    @override
     def on_train_start(self) -> None:
         """A resumed fit: give the training samplers the resumed epoch before its first
         batch (``bucketddp.sampler_epoch``), so that it is not trained on epoch 0's order."""
@@ -422,7 +456,13 @@ class BucketDDP(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Read ``ckpt_path`` on every rank, or on rank 0 alone when another rank does not
         see it: the others then receive it (``checkpoint_source``, ``docs/strategy.md``).
-        A copy of the training loaders' states is kept for ``on_train_start``."""
+        A copy of the training loaders' states is kept for ``on_train_start``. Under
+        ``elastic=True`` after a restart, the agreed snapshot stands for the file."""
+        if self._elastic is not None and self.lightning_module is not None:
+            snapshot = self._elastic.take_restored(self.lightning_module.trainer)
+            if snapshot is not None:
+                self._saved_loaders = SavedLoaders.from_checkpoint(snapshot)
+                return snapshot
         read = functools.partial(DDPStrategy.load_checkpoint, self, weights_only=weights_only)
         exists = lambda path: get_filesystem(path).exists(path)  # noqa: E731
         checkpoint = load_checkpoint(

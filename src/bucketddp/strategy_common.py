@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 import torch.distributed as dist
 
 from .elastic.group import init_process_group, uses_agent_store
+from .elastic.session import check_every
 from .options import EngineOptions, check_switches
 
 CHECKPOINT_KEY = "bucketddp"
@@ -72,12 +73,14 @@ class StrategyOptions:
         comm_hook: ``(state, hook)`` to register on the wrapper, or None.
         sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm``.
         averaging: post-local SGD's ``(PostLocalSGDState, model_averaging_period)``, or None.
+        snapshot_every: under ``elastic=True``, the steps between snapshots; else None.
     """
 
     engine: EngineOptions
     comm_hook: tuple[object | None, Callable[..., Any]] | None
     sync_batchnorm: bool
     averaging: tuple[object, int] | None
+    snapshot_every: int | None
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any], unused_hint: str) -> StrategyOptions:
@@ -85,16 +88,19 @@ class StrategyOptions:
 
         Raises:
             TypeError, ValueError: a bad engine option (see ``EngineOptions``), a
-                ``sync_batchnorm`` other than True or False, or bad hook options (see
+                ``sync_batchnorm`` or ``elastic`` other than True or False, a
+                ``snapshot_every`` that is not a positive integer, or bad hook options (see
                 ``comm_hook_from`` and ``check_model_averaging``).
         """
         engine = EngineOptions.from_arguments(arguments, unused_hint=unused_hint)
-        check_switches(sync_batchnorm=arguments["sync_batchnorm"])
+        check_switches(sync_batchnorm=arguments["sync_batchnorm"], elastic=arguments["elastic"])
+        every = check_every(arguments["snapshot_every"])
         state, period = arguments["ddp_comm_state"], arguments["model_averaging_period"]
         hook = comm_hook_from(arguments["ddp_comm_hook"], state, arguments["ddp_comm_wrapper"])
         check_model_averaging(state, period)
         averaging = (state, period) if period is not None else None
-        return cls(engine, hook, arguments["sync_batchnorm"], averaging)
+        snapshots = every if arguments["elastic"] else None
+        return cls(engine, hook, arguments["sync_batchnorm"], averaging, snapshots)
 
 
 def comm_hook_from(

@@ -18,6 +18,14 @@ DEFAULT_ROOT = "/dev/shm"
 """Node-local shared memory: survives the worker processes, not the node."""
 
 
+NOT_UNDER_TORCHRUN = (
+    "bucketddp: elastic training takes no snapshots in this run: it needs torchrun, whose "
+    "agent restarts the workers after a failure (torchrun --max-restarts=N ...); no other "
+    "launcher restarts them, Lightning's own included. To resume from a file instead, save "
+    "checkpoints and load one (ckpt_path=...)."
+)
+
+
 def under_torchrun() -> bool:
     """Whether this process was started by torchrun's elastic agent."""
     return "TORCHELASTIC_RESTART_COUNT" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ

@@ -7,15 +7,16 @@ before training. Under torchrun, after a worker dies and torchrun restarts every
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 from typing import Any
 
 import torch.distributed as dist
 
 from ..parallel import BucketDataParallel
 from . import rng
+from .job import NOT_UNDER_TORCHRUN, under_torchrun
 from .sampler import ElasticSampler, EpochPosition
-from .session import Session
+from .session import Session, check_every
 
 
 def wrapper_of(value: object) -> BucketDataParallel | None:
@@ -68,8 +69,8 @@ class Elastic:
         batch_size: samples per rank per batch (needed with ``sampler``).
         group: the process group (the default one if None).
 
-    Raises:
-        RuntimeError: outside torchrun (nothing would restart the workers).
+    Outside torchrun, nothing would restart the workers: it warns once and takes no
+    snapshots (``resume()`` returns False), so the same script runs anywhere.
     """
 
     def __init__(
@@ -86,7 +87,12 @@ class Elastic:
                 "Elastic(sampler=...) needs batch_size: the samples per rank per batch"
             )
         self.state = state
-        self.session = Session(every, group)
+        self.session: Session | None = None
+        if under_torchrun():
+            self.session = Session(every, group)
+        else:
+            check_every(every)
+            warnings.warn(NOT_UNDER_TORCHRUN, stacklevel=2)
         self.sampler = sampler
         self.batch_size = batch_size or 0
         self.steps = 0
@@ -96,7 +102,7 @@ class Elastic:
     def resume(self) -> bool:
         """Restore the newest snapshot, if any node has one; returns whether it did. Call it
         on every rank, once, after the model and optimizers exist and before training."""
-        restored = self.session.restore()
+        restored = self.session.restore() if self.session is not None else None
         if restored is None:
             return False
         saved = restored.state
@@ -128,7 +134,7 @@ class Elastic:
         per rank; takes a snapshot when one is due."""
         self.steps += 1
         position = self._advance(batches)
-        if not self.session.due(self.steps):
+        if self.session is None or not self.session.due(self.steps):
             return
         saved: dict[str, Any] = {"state": {}, "plans": {}, "steps": self.steps}
         own: dict[str, Any] = {"rng": rng.capture(), "rank_local": {}}
@@ -153,5 +159,5 @@ class Elastic:
 
     def finish(self) -> None:
         """Training is over: remove this job's snapshots (a collective)."""
-        with contextlib.suppress(Exception):
+        if self.session is not None:
             self.session.finish()

@@ -60,8 +60,9 @@ class ElasticSampler(DistributedSampler):
     Takes ``DistributedSampler``'s arguments and gives its order. ``position(used)`` says
     where the epoch stands once each rank has used ``used`` samples of it; after a restart,
     ``resume(position, used)`` makes the epoch continue from there: ``used`` is how many
-    samples per rank the caller's own progress already counts for the epoch (so that
-    ``len()`` stays the whole epoch's length, as a loop that counts batches expects).
+    samples per rank the caller counts as done in that epoch (its later ``position``
+    calls count from the epoch's start, those included). ``len()`` is always a whole
+    epoch's share at this world size.
     """
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
@@ -96,10 +97,10 @@ class ElasticSampler(DistributedSampler):
         return iter(self._shard())
 
     def __len__(self) -> int:
-        resumed = self._resumed_here()
-        if resumed is None:
-            return int(self.num_samples)
-        return resumed[1] + len(self._shard())
+        # A whole epoch's share at this world size, resumed or not: a loop that counts the
+        # epoch's batches (Lightning) gets the same length every epoch, and a resumed epoch,
+        # shorter, ends when its samples run out.
+        return int(self.num_samples)
 
     def position(self, used: int) -> EpochPosition:
         """Where this epoch stands once each rank has used ``used`` samples of it (counted
