@@ -126,9 +126,11 @@ def restore(job: Job, group: dist.ProcessGroup | None = None) -> Restored | None
                 status = [("bad", repr(e))]
         dist.broadcast_object_list(status, src=global_rank(group, holder), group=group)
         if status[0][0] != "ok":
-            log.warning(
-                "bucketddp: snapshot of step %d (node %d) is unusable: %s", step, node, status[0][1]
-            )
+            if me == 0:
+                why = status[0][1]
+                log.warning(
+                    "bucketddp: snapshot of step %d (node %d) is unusable: %s", step, node, why
+                )
             continue
         old_world = status[0][1]
         state = broadcast_checkpoint(state if me == holder else None, group=group, src=holder)

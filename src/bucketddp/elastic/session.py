@@ -9,6 +9,7 @@ two snapshots per node, and removes them on a clean finish.
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,13 @@ class Session:
         restored = restore(self.job, self.group)
         if restored is not None:
             keep_only(self.job, restored.step)
+        elif self.job.attempt > 0 and self.job.rank == 0:
+            print(
+                f"bucketddp: attempt {self.job.attempt} of this job found no usable snapshot "
+                "on any node: training starts from the beginning",
+                file=sys.stderr,
+                flush=True,
+            )
         return restored
 
     def finish(self) -> None:
