@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Project entry points that need nothing but Python 3.10+ and pip.
 
-    python3 dev.py demo    # train on 2 CPU processes with bucketddp and torch DDP, side by side
+    python3 dev.py demo    # learn digits on 2 CPU processes, bucketddp beside torch DDP
     python3 dev.py test    # the test suite
     python3 dev.py bench   # the engine benchmark (bucketddp vs torch DDP vs no communication)
     python3 dev.py plots   # redraw docs/images: the bucket-size sweep and the overlap timeline
+    python3 dev.py convergence   # accuracy with each comm hook, bucketddp and torch DDP
     python3 dev.py fuzz    # the engine fuzzer, outside the suite: --schedules 200, --replay SEED
     python3 dev.py fuzz-lightning   # the strategy fuzzer against "ddp": --schedules 100
     python3 dev.py lint    # ruff and mypy
@@ -34,6 +35,7 @@ COMMANDS = {
     "test": [["-m", "pytest", "-q"]],
     "bench": [["benchmarks/bench_engine.py"]],
     "plots": [["benchmarks/bench_plots.py"]],
+    "convergence": [["benchmarks/bench_convergence.py"]],
     "fuzz": [["tests/support/fuzz_engine.py"]],
     "fuzz-lightning": [["tests/support/fuzz_lightning.py"]],
     "lint": [

@@ -50,7 +50,7 @@ SOURCES = ("auto", "rank0", "local")
 
 
 @dataclass(frozen=True)
-class _TensorMeta:
+class TensorMeta:
     """What a receiving rank needs to allocate one tensor before its bytes arrive."""
 
     dtype: torch.dtype
@@ -243,30 +243,34 @@ def broadcast_checkpoint(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
     chunk_mb: float = DEFAULT_CHUNK_MB,
+    src: int = 0,
 ) -> Any:
-    """Send rank 0's ``checkpoint`` (any picklable object holding tensors) to every rank.
+    """Send rank ``src``'s ``checkpoint`` (any picklable object holding tensors) to every rank.
 
-    A collective: rank 0 passes the object and gets it back unchanged; the other ranks pass
-    anything (it is ignored) and get a copy, with its tensors on ``device``. Dense tensors
-    travel as bytes in pieces of at most ``chunk_mb`` MB (see the module docstring); other
-    tensors (sparse, quantized, subclasses) are pickled inside the skeleton. Tensors that
-    shared storage on rank 0 share it on every rank; ``nn.Parameter`` stays a Parameter.
+    A collective: rank ``src`` (of ``group``) passes the object and gets it back unchanged;
+    the other ranks pass anything (it is ignored) and get a copy, with its tensors on
+    ``device``. Dense tensors travel as bytes in pieces of at most ``chunk_mb`` MB (see the
+    module docstring); other tensors (sparse, quantized, subclasses) are pickled inside the
+    skeleton. Tensors that shared storage on the sender share it on every rank;
+    ``nn.Parameter`` stays a Parameter.
     """
     cap = max(1, int(chunk_mb * 2**20))
     comm = _comm_device(group)
-    sending = dist.get_rank(group) == 0
+    sending = dist.get_rank(group) == src
+    sender = global_rank(group, src)
     tensors: list[torch.Tensor] = []
-    header: list[Any] = [_skeleton(checkpoint, tensors) if sending else None]
-    dist.broadcast_object_list(header, src=global_rank(group), group=group, device=comm)
+    header: list[Any] = [None]
+    if sending:
+        skeleton, tensors, metas = split_tensors(checkpoint)
+        header = [(skeleton, metas)]
+    dist.broadcast_object_list(header, src=sender, group=group, device=comm)
     skeleton, metas = header[0]
     if not sending:
         tensors = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
-    _send_bytes(tensors, [m.nbytes for m in metas], cap, comm, sending, group)
+    _send_bytes(tensors, [m.nbytes for m in metas], cap, comm, sending, group, sender)
     if sending:
         return checkpoint
-    for t, m in zip(tensors, metas, strict=True):
-        t.requires_grad_(m.requires_grad and not m.parameter)
-    return _Unpickler(io.BytesIO(skeleton), tensors, metas).load()
+    return join_tensors(skeleton, tensors, metas)
 
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -309,7 +313,7 @@ class _Pickler(pickle.Pickler):
 
 class _Unpickler(pickle.Unpickler):
     def __init__(
-        self, file: io.BytesIO, tensors: list[torch.Tensor], metas: list[_TensorMeta]
+        self, file: io.BytesIO, tensors: list[torch.Tensor], metas: list[TensorMeta]
     ) -> None:
         super().__init__(file)
         self.tensors = tensors
@@ -324,19 +328,29 @@ class _Unpickler(pickle.Unpickler):
         return self.made[index]
 
 
-def _skeleton(checkpoint: Any, tensors: list[torch.Tensor]) -> tuple[bytes, list[_TensorMeta]]:
+def split_tensors(obj: Any) -> tuple[bytes, list[torch.Tensor], list[TensorMeta]]:
+    """``obj`` pickled with each dense tensor replaced by its index (the skeleton), the
+    tensors in index order, and what it takes to allocate each."""
     buffer = io.BytesIO()
-    _Pickler(buffer, tensors).dump(checkpoint)
+    tensors: list[torch.Tensor] = []
+    _Pickler(buffer, tensors).dump(obj)
     metas = [
-        _TensorMeta(
+        TensorMeta(
             t.dtype, tuple(t.shape), isinstance(t, torch.nn.Parameter), bool(t.requires_grad)
         )
         for t in tensors
     ]
-    return buffer.getvalue(), metas
+    return buffer.getvalue(), tensors, metas
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def join_tensors(skeleton: bytes, tensors: list[torch.Tensor], metas: list[TensorMeta]) -> Any:
+    """The object ``split_tensors`` took apart, its tensors taken from ``tensors``."""
+    for t, m in zip(tensors, metas, strict=True):
+        t.requires_grad_(m.requires_grad and not m.parameter)
+    return _Unpickler(io.BytesIO(skeleton), tensors, metas).load()
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``t``'s data (of a contiguous copy, if ``t`` is not)."""
     t = t.detach().resolve_conj().resolve_neg()
     return t.contiguous().reshape(-1).view(torch.uint8)
@@ -349,16 +363,17 @@ def _send_bytes(
     comm: torch.device,
     sending: bool,
     group: dist.ProcessGroup | None,
+    src: int,
 ) -> None:
-    """Broadcast every tensor's bytes from rank 0, piece by piece (see ``plan_pieces``)."""
-    src = global_rank(group)
+    """Broadcast every tensor's bytes from global rank ``src``, piece by piece (see
+    ``plan_pieces``)."""
     staging: torch.Tensor | None = None
     view: tuple[int, torch.Tensor] | None = None  # the byte view of the tensor at hand
     for piece in plan_pieces(nbytes, cap):
         parts = []
         for index, start, end in piece:
             if view is None or view[0] != index:
-                view = (index, _as_bytes(tensors[index]))
+                view = (index, as_bytes(tensors[index]))
             parts.append(view[1][start:end])
         if len(parts) == 1 and parts[0].device == comm:
             dist.broadcast(parts[0], src=src, group=group)  # straight into/out of the tensor

@@ -43,6 +43,7 @@ from typing_extensions import override
 from ._compat import weights_only_kwargs
 from .buffers import Policy
 from .checkpoint import Source, check_source, load_checkpoint, strip_prefix
+from .elastic import Elastic
 from .fabric_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
 from .faults import release
 from .options import DEFAULT_STALL_TIMEOUT, EngineOptions
@@ -51,6 +52,7 @@ from .strategy_common import (
     CHECKPOINT_KEY,
     StrategyOptions,
     destroy_at_exit,
+    init_restartable_group,
     is_post_local_sgd,
     register_twins,
 )
@@ -113,14 +115,19 @@ class BucketFabricDDP(DDPStrategy):
             and sends it when some rank does not see it; else each rank reads its own),
             ``"rank0"`` (always rank 0) or ``"local"`` (each rank). See
             ``bucketddp.load_checkpoint``.
+        elastic: under torchrun, ``strategy.elastic(state)`` gives the loop snapshots in
+            node-local shared memory and resume after torchrun restarts the workers
+            (``bucketddp.elastic.Elastic``, ``docs/elastic.md``).
+        snapshot_every: with ``elastic``, take a snapshot every this many steps.
 
     Raises:
-        TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm``
-            other than True or False.
+        TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm`` or
+            ``elastic`` other than True or False.
         ValueError: a bad engine option (see ``EngineOptions``), a hook state or wrapper
             without a hook, a ``model_averaging_period`` that is missing with a
-            ``PostLocalSGDState``, given without one, or not a positive integer, or an
-            unknown ``checkpoint_source``.
+            ``PostLocalSGDState``, given without one, or not a positive integer, an
+            unknown ``checkpoint_source``, or a ``snapshot_every`` that is not a positive
+            integer.
     """
 
     def __init__(
@@ -157,6 +164,9 @@ class BucketFabricDDP(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         checkpoint_source: Source = "auto",
+        # Elastic training under torchrun (docs/elastic.md).
+        elastic: bool = False,
+        snapshot_every: int = 1,
     ) -> None:
         self._options = StrategyOptions.from_arguments(locals(), UNUSED_HINT)
         self._checkpoint_source = check_source(checkpoint_source)
@@ -182,10 +192,27 @@ class BucketFabricDDP(DDPStrategy):
         """The options every module set up with this strategy is wrapped with."""
         return self._options.engine
 
+    def elastic(self, state: dict[str, Any], **kwargs: Any) -> Elastic:
+        """Snapshots and resume for a Fabric loop's ``state`` (models and optimizers from
+        ``fabric.setup``, counters), every ``snapshot_every`` steps: ``Elastic(state,
+        **kwargs)`` (see ``bucketddp.elastic.Elastic``).
+
+        Raises:
+            RuntimeError: the strategy was made without ``elastic=True``.
+        """
+        every = self._options.snapshot_every
+        if every is None:
+            raise RuntimeError(
+                "strategy.elastic() needs BucketFabricDDP(elastic=True, snapshot_every=...)"
+            )
+        return Elastic(state, every=every, **kwargs)
+
     # ------------------------------------------------------------------ process group
     @override
     def _setup_distributed(self) -> None:
         existed = dist.is_available() and dist.is_initialized()
+        if not existed:
+            init_restartable_group(self._get_process_group_backend(), self._timeout)
         super()._setup_distributed()
         if not existed and dist.is_initialized():
             destroy_at_exit(dist.group.WORLD)

@@ -38,8 +38,15 @@ class _LateObserver(_ChildProcessObserver):
         super()._terminate_all()
 
 
-def launch_watched(launcher: Any, function: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-    """What Lightning's script launchers do, with the children handed to the watchdog.
+def launch_watched(
+    launcher: Any,
+    function: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    before: Callable[[], None] | None = None,
+) -> Any:
+    """What Lightning's script launchers do, with the children handed to the watchdog,
+    and ``before()`` called just before ``function``.
 
     ``launcher`` is the Trainer's or Fabric's ``_SubprocessScriptLauncher``.
     """
@@ -51,6 +58,8 @@ def launch_watched(launcher: Any, function: Callable[..., Any], args: Any, kwarg
         adopt_children({first + i + 1: proc for i, proc in enumerate(launcher.procs)})
         _LateObserver(child_processes=launcher.procs, main_pid=os.getpid()).start()
     _set_num_threads_if_needed(num_processes=launcher.num_processes)
+    if before is not None:
+        before()
     return function(*args, **kwargs)
 
 

@@ -12,6 +12,9 @@ while fitting, the LightningModule is wrapped in ``BucketDataParallel`` instead 
 - the learned bucket order travels in the checkpoint under ``checkpoint["bucketddp"]``;
 - a checkpoint only rank 0 can see is read there and sent to the others
   (``bucketddp.checkpoint``);
+- a fit resumed from a checkpoint starts its first epoch where the uninterrupted fit would:
+  in that epoch's sample order, where Lightning's loop would replay epoch 0's
+  (``bucketddp.sampler_epoch``);
 - ``sync_batchnorm`` converts BatchNorm layers to ``bucketddp.SyncBatchNorm``, which also
   works on CPU/gloo, and converts them back at teardown.
 
@@ -49,7 +52,15 @@ from .faults import current as current_watchdog
 from .faults.progress import CHECKPOINT, COLLECTIVE
 from .options import DEFAULT_STALL_TIMEOUT
 from .parallel import BucketDataParallel
-from .strategy_common import CHECKPOINT_KEY, StrategyOptions, destroy_at_exit, register_twins
+from .sampler_epoch import SavedLoaders, realign_sampler_epoch
+from .strategy_common import (
+    CHECKPOINT_KEY,
+    StrategyOptions,
+    destroy_at_exit,
+    init_restartable_group,
+    register_twins,
+)
+from .strategy_elastic import TrainerElastic
 from .strategy_launcher import WatchedProcessLauncher, WatchedScriptLauncher
 from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm, syncbn_layers
 
@@ -60,7 +71,10 @@ from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm, syncbn_layers
 #   ``_layer_sync`` (the SyncBatchNorm plugin the accelerator connector assigns) and
 #   ``_setup_model`` (the hook that wraps the module), all overridden or read below;
 # - ``_configure_launcher`` and ``_SubprocessScriptLauncher`` (replaced by the watched
-#   launcher of ``strategy_launcher.py``, which depends on more).
+#   launcher of ``strategy_launcher.py``, which depends on more);
+# - for ``sampler_epoch.py``: the fit loop's ``_combined_loader`` and ``_data_fetcher``
+#   (its training loaders and the fetcher that made their iterator), and where a
+#   checkpoint keeps the loaders' states (``loops/fit_loop/state_dict/combined_loader``).
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
     from lightning.fabric.strategies.registry import _StrategyRegistry
@@ -152,14 +166,19 @@ class BucketDDP(DDPStrategy):
             to the ranks when some rank does not see the file; else each rank reads its
             own), ``"rank0"`` (always rank 0) or ``"local"`` (each rank, as ``"ddp"``).
             See ``bucketddp.load_checkpoint``.
+        elastic: under torchrun, snapshot the training state to node-local shared memory
+            and, after torchrun restarts the workers, resume from the newest snapshot on
+            any node, at the same world size or another (``docs/elastic.md``).
+        snapshot_every: with ``elastic``, take a snapshot every this many optimizer steps.
 
     Raises:
-        TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm``
-            other than True or False.
+        TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm`` or
+            ``elastic`` other than True or False.
         ValueError: a bad engine option (see ``EngineOptions``), a hook state or wrapper
             without a hook, a ``model_averaging_period`` that is missing with a
-            ``PostLocalSGDState``, given without one, or not a positive integer, or an
-            unknown ``checkpoint_source``.
+            ``PostLocalSGDState``, given without one, or not a positive integer, an
+            unknown ``checkpoint_source``, or a ``snapshot_every`` that is not a positive
+            integer.
     """
 
     def __init__(
@@ -196,8 +215,13 @@ class BucketDDP(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         checkpoint_source: Source = "auto",
+        # Elastic training under torchrun (docs/elastic.md).
+        elastic: bool = False,
+        snapshot_every: int = 1,
     ) -> None:
         options = StrategyOptions.from_arguments(locals(), UNUSED_HINT)
+        every = options.snapshot_every
+        self._elastic = TrainerElastic(every) if every is not None else None
         self._checkpoint_source = check_source(checkpoint_source)
         self._engine_options = options.engine
         self._comm_hook = options.comm_hook
@@ -224,6 +248,8 @@ class BucketDDP(DDPStrategy):
         self._saved_plan: dict[str, Any] | None = None
         # The order the last fit learned, for checkpoints saved after fit.
         self._learned_plan: dict[str, Any] | None = None
+        # The training loaders' part of a loaded checkpoint, until fit's first epoch.
+        self._saved_loaders = SavedLoaders()
 
     # ------------------------------------------------------------------ SyncBatchNorm
     # The accelerator connector assigns ``strategy._layer_sync`` after construction: Lightning's
@@ -247,7 +273,10 @@ class BucketDDP(DDPStrategy):
     # ------------------------------------------------------------------ process group
     @override
     def setup_distributed(self) -> None:
+        """DDPStrategy's setup, with a group that forms after torchrun restarts the workers."""
         existed = dist.is_available() and dist.is_initialized()
+        if not existed:
+            init_restartable_group(self._get_process_group_backend(), self._timeout)
         super().setup_distributed()
         if not existed and dist.is_initialized():
             destroy_at_exit(dist.group.WORLD)
@@ -260,6 +289,8 @@ class BucketDDP(DDPStrategy):
             self._launcher = WatchedScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
+            if (elastic := self._elastic) is not None:
+                self._launcher.before_fit = functools.partial(elastic.before_fit, self)
         elif type(self._launcher) is _MultiProcessingLauncher:
             method = self._start_method  # spawn, fork or forkserver: popen is handled above
             self._launcher = WatchedProcessLauncher(self, start_method=method)  # type: ignore[arg-type]
@@ -359,6 +390,40 @@ class BucketDDP(DDPStrategy):
         super().on_test_start()
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Under ``elastic=True``, the training loader's sampler becomes an
+        ``ElasticSampler`` (a resumed epoch goes on where it stopped, at any world size)."""
+        if self._elastic is not None and self.lightning_module is not None:
+            return self._elastic.process_dataloader(self.lightning_module.trainer, dataloader)
+        return dataloader
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """DDPStrategy's; after an elastic resume, the first one first puts back this
+        rank's RNG states and rank-local buffers."""
+        if self._elastic is not None:
+            self._elastic.before_training_step(self._wrapped)
+        return super().training_step(*args, **kwargs)
+
+    def plan_entry(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the wrapper's bucket plan (order, tuned sizes)."""
+        wrapped = self._wrapped
+        return _plan_entry(wrapped) if wrapped is not None else dict(self._learned_plan or {})
+
+    @override
+    def on_train_start(self) -> None:
+        """A resumed fit: give the training samplers the resumed epoch before its first
+        batch (``bucketddp.sampler_epoch``), so that it is not trained on epoch 0's order."""
+        saved, self._saved_loaders = self._saved_loaders, SavedLoaders()
+        assert self.lightning_module is not None
+        if realign_sampler_epoch(self.lightning_module.trainer.fit_loop, saved):
+            rank_zero_debug(
+                "BucketDDP: the training samplers were at another epoch than the resumed "
+                "one; set it, and made the loader's iterator again"
+            )
+        super().on_train_start()
+
+    @override
     def on_train_end(self) -> None:
         """Sync buffers once more, so the module the user holds after fit agrees."""
         self._sync_buffers()
@@ -391,14 +456,23 @@ class BucketDDP(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Read ``ckpt_path`` on every rank, or on rank 0 alone when another rank does not
-        see it: the others then receive it (``checkpoint_source``, ``docs/strategy.md``)."""
+        see it: the others then receive it (``checkpoint_source``, ``docs/strategy.md``).
+        A copy of the training loaders' states is kept for ``on_train_start``. Under
+        ``elastic=True`` after a restart, the agreed snapshot stands for the file."""
+        if self._elastic is not None and self.lightning_module is not None:
+            snapshot = self._elastic.take_restored(self.lightning_module.trainer)
+            if snapshot is not None:
+                self._saved_loaders = SavedLoaders.from_checkpoint(snapshot)
+                return snapshot
         read = functools.partial(
             DDPStrategy.load_checkpoint, self, **weights_only_kwargs(weights_only)
         )
         exists = lambda path: get_filesystem(path).exists(path)  # noqa: E731
-        return load_checkpoint(
+        checkpoint = load_checkpoint(
             checkpoint_path, source=self._checkpoint_source, read=read, exists=exists
         )
+        self._saved_loaders = SavedLoaders.from_checkpoint(checkpoint)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -434,6 +508,7 @@ class BucketDDP(DDPStrategy):
             wrapped.remove_hooks()
             self.model = self.lightning_module
         self._saved_plan = None
+        self._saved_loaders = SavedLoaders()
         super().teardown()
 
     # ------------------------------------------------------------------- registry

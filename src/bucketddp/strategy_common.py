@@ -2,7 +2,8 @@
 
 - ``StrategyOptions``: the options both take besides the launcher's, checked once;
 - ``register_twins``: one twin of each DDP name Lightning registers, in its registry;
-- ``destroy_at_exit``: the default process group a strategy created, destroyed at exit.
+- ``destroy_at_exit``: the default process group a strategy created, destroyed at exit;
+- ``init_restartable_group``: under torchrun, a default group that forms after a restart.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ from __future__ import annotations
 import atexit
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal, Protocol
 
 import torch.distributed as dist
 
+from .elastic.group import init_process_group, uses_agent_store
+from .elastic.session import check_every
 from .options import EngineOptions, check_switches
 
 CHECKPOINT_KEY = "bucketddp"
@@ -69,12 +73,14 @@ class StrategyOptions:
         comm_hook: ``(state, hook)`` to register on the wrapper, or None.
         sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm``.
         averaging: post-local SGD's ``(PostLocalSGDState, model_averaging_period)``, or None.
+        snapshot_every: under ``elastic=True``, the steps between snapshots; else None.
     """
 
     engine: EngineOptions
     comm_hook: tuple[object | None, Callable[..., Any]] | None
     sync_batchnorm: bool
     averaging: tuple[object, int] | None
+    snapshot_every: int | None
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any], unused_hint: str) -> StrategyOptions:
@@ -82,16 +88,19 @@ class StrategyOptions:
 
         Raises:
             TypeError, ValueError: a bad engine option (see ``EngineOptions``), a
-                ``sync_batchnorm`` other than True or False, or bad hook options (see
+                ``sync_batchnorm`` or ``elastic`` other than True or False, a
+                ``snapshot_every`` that is not a positive integer, or bad hook options (see
                 ``comm_hook_from`` and ``check_model_averaging``).
         """
         engine = EngineOptions.from_arguments(arguments, stacklevel=3, unused_hint=unused_hint)
-        check_switches(sync_batchnorm=arguments["sync_batchnorm"])
+        check_switches(sync_batchnorm=arguments["sync_batchnorm"], elastic=arguments["elastic"])
+        every = check_every(arguments["snapshot_every"])
         state, period = arguments["ddp_comm_state"], arguments["model_averaging_period"]
         hook = comm_hook_from(arguments["ddp_comm_hook"], state, arguments["ddp_comm_wrapper"])
         check_model_averaging(state, period)
         averaging = (state, period) if period is not None else None
-        return cls(engine, hook, arguments["sync_batchnorm"], averaging)
+        snapshots = every if arguments["elastic"] else None
+        return cls(engine, hook, arguments["sync_batchnorm"], averaging, snapshots)
 
 
 def comm_hook_from(
@@ -150,6 +159,14 @@ def is_post_local_sgd(state: object | None) -> bool:
 # still holding the old one. A gloo group left alive into interpreter shutdown is what
 # makes Lightning runs end in "terminate called without an active exception" (SIGABRT).
 _created_group: dist.ProcessGroup | None = None
+
+
+def init_restartable_group(backend: str, timeout: timedelta | None) -> None:
+    """Under torchrun, create the default group first, on the agent's store with a key
+    namespace per attempt, so that it forms after a restart (``bucketddp.elastic.group``);
+    Lightning's own setup then finds it made. Anywhere else, do nothing."""
+    if not dist.is_initialized() and uses_agent_store():
+        init_process_group(backend, timeout=timeout)
 
 
 def destroy_at_exit(group: dist.ProcessGroup | None) -> None:

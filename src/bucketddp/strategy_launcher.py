@@ -18,12 +18,25 @@ from .faults.monitor import GRACE
 
 
 class WatchedScriptLauncher(_SubprocessScriptLauncher):
-    """The Trainer's ``_SubprocessScriptLauncher`` whose children the watchdog watches."""
+    """The Trainer's ``_SubprocessScriptLauncher`` whose children the watchdog watches.
+
+    ``before_fit(trainer, ckpt_path)``, if set, runs before the trainer's function, with
+    the ``ckpt_path`` given to ``fit`` (``BucketDDP(elastic=True)`` finds its snapshot).
+    """
+
+    before_fit: Callable[[Any, Any], None] | None = None
 
     def launch(
         self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any
     ) -> Any:
         """Start the child scripts, hand them to the watchdog, then call ``function``."""
+        before = self.before_fit
+        if before is not None and trainer is not None:
+            # fit's ckpt_path: the fifth argument of Trainer._fit_impl, or a keyword
+            ckpt_path = args[4] if len(args) > 4 else kwargs.get("ckpt_path")
+            return launch_watched(
+                self, function, args, kwargs, before=lambda: before(trainer, ckpt_path)
+            )
         return launch_watched(self, function, args, kwargs)
 
     def kill(self, signum: Any) -> None:

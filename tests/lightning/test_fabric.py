@@ -110,6 +110,19 @@ def test_the_watchdog_ends_with_the_strategys_teardown(ranks: list[dict[str, Any
         assert r["watchdogs/after_teardown"] == 0
 
 
+def test_a_loop_resumed_in_epoch_1_sets_its_own_sampler_epoch(ranks: list[dict[str, Any]]) -> None:
+    # Saved after 6 batches, 4 an epoch: the resumed loop should read the straight run's
+    # last 6. With a DistributedSampler of its own, whose epoch the loop sets, it does.
+    for r in ranks:
+        straight = r["epochs/own/straight"]
+        assert r["epochs/own/resumed"] == straight[6:]
+        # Through fabric.setup_dataloaders, Fabric's loader sets the sampler's epoch to the
+        # number of times this process iterated it: the resumed epoch 1 goes on in epoch 0's
+        # order, and epoch 2 is read in epoch 1's.
+        assert r["epochs/fabric/straight"] == straight  # the same rows while nothing stops
+        assert r["epochs/fabric/resumed"] == straight[2:4] + straight[4:8]
+
+
 def test_bad_options_fail_when_the_strategy_is_built() -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

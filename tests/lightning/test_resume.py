@@ -3,7 +3,9 @@
 Each rank runs in a working directory of its own (tests/support/resume_scenarios.py), as on
 nodes with local disks only, and ``ckpt_path`` is relative: the file exists in rank 0's
 directory alone. The ground truth is the run that never stopped (bit for bit), and
-Lightning's ``"ddp"`` resumed from copies of the same files.
+Lightning's ``"ddp"`` resumed from copies of the same files. Lightning's DistributedSampler
+gives each epoch its own order of the rows; the ``epochs`` scenario resumes in epochs 1 and
+2.
 """
 
 from __future__ import annotations
@@ -71,12 +73,15 @@ def test_rank0_only_checkpoint_resumes_exactly(resumed: tuple[Path, list[dict[st
         # "sum": world * k * steps on every rank across the resume; "none": each its own.
         assert int(run["weights"]["seen"]) == 2 * ADDED_PER_STEP * 8
         assert float(run["weights"]["local_mark"]) == rank + 1
-        # At the epoch boundary a plain DataLoader resumes exactly too.
+        # At the epoch boundary a plain DataLoader resumes exactly too, and so does the
+        # stateful one (where Lightning would restore it at the end of the finished epoch).
         _assert_exact(r["plain_boundary"], r["straight/plain"])
+        _assert_exact(r["stateful_boundary"], r["straight/stateful"])
         # The straight runs see the same batches whichever the loader.
         _assert_exact(r["straight/plain"], r["straight/stateful"])
-        # "ddp" from copies of the same files trains on to the same weights.
-        for label in ("stateful_mid", "stateful_boundary", "plain_boundary", "plain_mid"):
+        # "ddp" from copies of the same files trains on to the same weights (but for the
+        # stateful loader at the epoch boundary: see the next test).
+        for label in ("stateful_mid", "plain_boundary", "plain_mid"):
             _assert_like_ddp(r[label]["weights"], r[f"{label}/ddp"]["weights"], rank)
 
 
@@ -90,16 +95,111 @@ def test_missing_on_rank0_fails_on_every_rank(
 
 
 def test_where_resuming_is_not_exact(resumed: tuple[Path, list[dict[str, Any]]]) -> None:
-    # Two cases docs/strategy.md warns of, under "ddp" alike (compared in the test above):
+    # What docs/strategy.md warns of:
     # - mid-epoch with a plain DataLoader, which has no state: Lightning starts its epoch
-    #   over, so the batches before the checkpoint are seen again;
-    # - with a stateful loader, a checkpoint every_n_train_steps took on an epoch's last
-    #   batch: the resumed run does not see the next epoch's batches as the straight run did.
+    #   over, so the batches before the checkpoint are seen again (under "ddp" alike);
+    # - under "ddp", a stateful loader checkpointed on an epoch's last batch: Lightning
+    #   restores it at the end of that epoch, so the next epoch ends at once, without a batch.
     for r in resumed[1]:
-        for label, straight in (("plain_mid", "plain"), ("stateful_boundary", "stateful")):
+        for label, straight in (
+            ("plain_mid", "plain"),
+            ("stateful_boundary/ddp", "stateful"),
+        ):
             assert r[label]["opened"] == []
             again, want = r[label]["weights"], r[f"straight/{straight}"]["weights"]
             assert not torch.equal(want["net.0.weight"], again["net.0.weight"]), label
+
+
+EXACT = (
+    # StatefulDataLoader: mid-epoch in epoch 1 and in epoch 2, and on epoch 1's last batch.
+    "stateful@step=6,stateful@step=9,stateful@step=8,"
+    # At epoch 1's end (on_train_epoch_end), fitting to max_epochs.
+    "stateful@epoch=1/max_epochs,"
+    # With a worker process, which draws its first indices as the loader's iterator is made.
+    "stateful_workers@step=9,plain_workers@step=4,"
+    # A plain DataLoader at the end of epoch 1.
+    "plain@step=8"
+)
+"""The ``epochs`` scenario's resumes BucketDDP makes bit for bit: ``loader@checkpoint``,
+4 steps an epoch (see resume_scenarios.LOADERS), to step 12 or ``/max_epochs`` 3."""
+EPOCH_CASES = (
+    f"{EXACT},"
+    # Under "ddp".
+    "plain@step=8/ddp,stateful@step=6/ddp,plain_workers@step=4/ddp,"
+    # Not exact, under either: at epoch 1's end fitting to max_steps, and
+    # StatefulDataLoader(shuffle=True) in epoch 0.
+    "plain@epoch=1,plain@epoch=1/ddp,torchdata_shuffle@step=2,torchdata_shuffle@step=2/ddp"
+)
+"""All of the ``epochs`` scenario's resumes; ``/ddp``: under "ddp"."""
+
+
+@pytest.fixture(scope="module")
+def epochs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("epochs")
+    return out, run_nodes(SCRIPT, "epochs", out, 2, EPOCH_CASES)
+
+
+def test_resumed_in_a_later_epoch_goes_on_in_that_epochs_order(
+    epochs: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    out, ranks = epochs
+    saved = out / "node0" / "checkpoints"
+    # The checkpoints are what the cases say: (epoch, its batches done, samples this rank's
+    # loader has yielded in it).
+    for path, want in (
+        ("stateful/step=6", (1, 2, 8)),
+        ("stateful/step=9", (2, 1, 4)),
+        ("stateful/step=8", (1, 4, 16)),
+        ("stateful/epoch=1", (1, 4, 16)),
+        ("plain/step=4", (0, 4, None)),
+    ):
+        ckpt = torch.load(saved / f"{path}.ckpt", weights_only=False)
+        loop = ckpt["loops"]["fit_loop"]
+        batches = loop["epoch_loop.batch_progress"]["current"]["processed"]
+        loaders = loop["state_dict"].get("combined_loader")
+        position = loaders[0]["_sampler_iter_state"]["samples_yielded"] if loaders else None
+        assert (ckpt["epoch"], batches, position) == want, path
+    for r in ranks:
+        # Each loader sees the same batches, in the sampler's order for each epoch.
+        for source in ("plain", "stateful_workers"):
+            _assert_exact(r[f"straight/{source}"], r["straight/stateful"])
+        for case in EXACT.split(","):
+            assert r[case]["global_step"] == 12, case
+            _assert_exact(r[case], r["straight/stateful"])
+
+
+def test_ddp_resumes_a_later_epoch_in_epoch_0s_order(
+    epochs: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    # Under "ddp" a stateful loader resumed in epoch 1, and a loader with a worker process
+    # resumed at epoch 0's end, go on in epoch 0's order (Lightning sets the sampler's epoch
+    # after making the loader's iterator); at an epoch's end, a plain DataLoader without
+    # workers resumes as under BucketDDP.
+    for rank, r in enumerate(epochs[1]):
+        want = r["straight/stateful"]["weights"]["net.0.weight"]
+        for case in ("stateful@step=6/ddp", "plain_workers@step=4/ddp"):
+            assert not torch.equal(want, r[case]["weights"]["net.0.weight"]), case
+        _assert_like_ddp(r["plain@step=8"]["weights"], r["plain@step=8/ddp"]["weights"], rank, 0.0)
+
+
+def test_where_resuming_in_a_later_epoch_is_not_exact(
+    epochs: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    # What docs/strategy.md warns of, under "ddp" alike:
+    # - a checkpoint saved at an epoch's end (on_train_epoch_end), fitting to max_steps:
+    #   Lightning counts the next epoch's first batch in the finished epoch, ends that epoch
+    #   after it and goes on in the order of the epoch after;
+    # - StatefulDataLoader(shuffle=True) shuffles by torchdata's RandomSampler, which
+    #   Lightning wraps (DistributedSamplerWrapper) instead of replacing; each iterator made
+    #   of it draws a new order from the sampler's generator, whose state is in no
+    #   checkpoint. Resumed in epoch 0 already, the run sees other batches.
+    for rank, r in enumerate(epochs[1]):
+        for source, file in (("plain", "epoch=1"), ("torchdata_shuffle", "step=2")):
+            case = f"{source}@{file}"
+            ours, ddp = r[case]["weights"], r[f"{case}/ddp"]["weights"]
+            want = r[f"straight/{source}"]["weights"]
+            assert not torch.equal(want["net.0.weight"], ours["net.0.weight"]), case
+            _assert_like_ddp(ours, ddp, rank)
 
 
 def test_ddp_checkpoint_with_module_prefix_resumes(

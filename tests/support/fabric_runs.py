@@ -178,6 +178,7 @@ def all_runs(rank: int, world_size: int, out: str) -> dict[str, Any]:
     r["fp16/bucket"] = params(bucket.module)
 
     r.update(_post_local_sgd(rank))
+    r.update(_loader_epochs(Path(out)))
     r.update(_round_trip(rank, Path(out)))
     del fabric, ddp, bucket, model, optimizer
     r.update(_teardown())
@@ -233,6 +234,47 @@ def _post_local_sgd(rank: int) -> dict[str, Any]:
     _loop(fabric, model, optimizer, range(2 * STEPS))
     out["local_sgd/bucket"] = params(model.module)
     return out
+
+
+def _loader_epochs(out: Path) -> dict[str, Any]:
+    """The rows a loop reads in epochs 0 to 2, and from a save after 6 batches (in epoch 1)
+    on: with a shuffled StatefulDataLoader set up by ``fabric.setup_dataloaders``, and with
+    one whose DistributedSampler is the loop's own, its epoch set by the loop."""
+    from torch.utils.data import DistributedSampler, RandomSampler, TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from bucketddp import BucketFabricDDP
+
+    fabric = _fabric(BucketFabricDDP())
+    rows = TensorDataset(torch.arange(32))
+
+    def loader(own: bool) -> Any:
+        if own:
+            sampler = DistributedSampler(rows, fabric.world_size, fabric.global_rank, seed=0)
+            return StatefulDataLoader(rows, batch_size=4, sampler=sampler)
+        return fabric.setup_dataloaders(
+            StatefulDataLoader(rows, batch_size=4, sampler=RandomSampler(rows))
+        )
+
+    def read(data: Any, own: bool, state: dict[str, Any], path: Path | None = None) -> list[Any]:
+        seen = []
+        for epoch in range(state["epoch"], 3):
+            if own:
+                data.sampler.set_epoch(epoch)
+            for (x,) in data:
+                seen.append(x.tolist())
+                if path is not None and len(seen) == 6:
+                    fabric.save(path, {**state, "epoch": epoch})
+        return seen
+
+    result: dict[str, Any] = {}
+    for own, name in ((False, "fabric"), (True, "own")):
+        path, data = out / f"epochs_{name}.ckpt", loader(own)
+        result[f"epochs/{name}/straight"] = read(data, own, {"loader": data, "epoch": 0}, path)
+        state = {"loader": loader(own), "epoch": 0}
+        fabric.load(path, state)
+        result[f"epochs/{name}/resumed"] = read(state["loader"], own, state)
+    return result
 
 
 def _round_trip(rank: int, out: Path) -> dict[str, Any]:

@@ -50,16 +50,26 @@ def _record_opens() -> None:
 
 class Resumable(Counting):
     """Counting ("sum" and "none" buffers, BatchNorm, Adam), with a stateful or a plain
-    loader, extras of its own in the checkpoint, and a note of what it loaded."""
+    loader, extras of its own in the checkpoint, and a note of what it loaded.
 
-    def __init__(self, stateful: bool = True, policies: bool = True) -> None:
+    Under DDP Lightning replaces the loader's sampler (torch's SequentialSampler) by its
+    DistributedSampler, which shuffles the rows anew each epoch, from the seed and the
+    epoch. With ``shuffle`` a StatefulDataLoader shuffles by torchdata's own RandomSampler,
+    which Lightning wraps instead. ``workers`` loader processes draw their first indices as
+    the loader's iterator is made.
+    """
+
+    def __init__(
+        self, stateful: bool = True, policies: bool = True, shuffle: bool = False, workers: int = 0
+    ) -> None:
         super().__init__(policies=policies)
-        self.stateful = stateful
+        self.stateful, self.shuffle, self.workers = stateful, shuffle, workers
         self.loaded_extras: Any = None
 
     def train_dataloader(self) -> DataLoader[Any]:
         loader = StatefulDataLoader if self.stateful else DataLoader
-        return loader(_table(32, 1), batch_size=4)
+        rows = _table(32, 1)
+        return loader(rows, batch_size=4, shuffle=self.shuffle, num_workers=self.workers)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["extras"] = {"note": "mine", "tensor": torch.full((3,), self.global_step)}
@@ -86,27 +96,34 @@ class Tally(pl.Callback):
         self.batches = state_dict["batches"]
 
 
-def _trainer(strategy: Any, max_steps: int, callbacks: list[Any]) -> pl.Trainer:
+def _trainer(
+    strategy: Any, max_steps: int, callbacks: list[Any], max_epochs: int | None = None
+) -> pl.Trainer:
     options = {**QUIET, "devices": 1, "num_nodes": NODES, "limit_val_batches": 0}
     options.update(strategy=strategy, max_steps=max_steps, callbacks=callbacks)
+    options["max_epochs"] = max_epochs
     options["num_sanity_val_steps"] = 0
     if any(isinstance(c, ModelCheckpoint) for c in callbacks):
         options["enable_checkpointing"] = True
     return pl.Trainer(**options)
 
 
-def _resume(strategy: Any, path: str, max_steps: int, *, stateful: bool = True) -> dict[str, Any]:
-    """Fit from ``path`` to ``max_steps``; what the run ended with and what it loaded."""
+def _resume(
+    strategy: Any, path: str, max_steps: int, max_epochs: int | None = None, **data: Any
+) -> dict[str, Any]:
+    """Fit from ``path`` to ``max_steps`` (or ``max_epochs``, with ``max_steps=-1``); what
+    the run ended with and what it loaded. ``data``: the loader's options (``Resumable``'s
+    ``stateful``, ``shuffle``, ``workers``)."""
     # The seed of the saving run: Lightning's DistributedSampler shuffles by it.
     pl.seed_everything(0, verbose=False)
     bucket = not isinstance(strategy, str)
-    model = Resumable(stateful=stateful, policies=bucket)
+    model = Resumable(policies=bucket, **data)
     with torch.no_grad():  # another start than the saving run's, for the load to undo
         for p in model.parameters():
             p.add_(1.0)
     tally, observe = Tally(), Observe()
     OPENED.clear()
-    trainer = _trainer(strategy, max_steps, [tally, observe])
+    trainer = _trainer(strategy, max_steps, [tally, observe], max_epochs)
     trainer.fit(model, ckpt_path=path)
     return {
         "weights": weights(model),
@@ -208,7 +225,56 @@ def at_world_size(out: Path, checkpoint: str) -> dict[str, Any]:
     }
 
 
-SCENARIOS = {"resume": resume, "at_world_size": at_world_size}
+LOADERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "stateful": ("stateful", {"stateful": True}),
+    "stateful_workers": ("stateful_workers", {"stateful": True, "workers": 1}),
+    "plain": ("plain", {"stateful": False}),
+    "plain_workers": ("plain", {"stateful": False, "workers": 1}),
+    "torchdata_shuffle": ("torchdata_shuffle", {"stateful": True, "shuffle": True}),
+}
+"""The loaders of the ``epochs`` scenario: the straight run whose checkpoints each resumes
+from, and Resumable's options."""
+
+
+def epochs(out: Path, cases: str) -> dict[str, Any]:
+    """Resume in epochs 1 and 2, each in its own order, against the run that never stopped.
+
+    Twelve steps straight (three epochs of four) for each loader the cases need, with a
+    checkpoint after every step (``step=N``, saved after the batch) and at every epoch's end
+    (``epoch=N``, saved in on_train_epoch_end). ``cases``: comma-separated
+    ``loader@file[/ddp][/max_epochs]``: resume from ``file`` under BucketDDP (from rank 0's
+    file) or "ddp" (every rank reads the file), to step 12 or to the end of epoch 2.
+    """
+    rank = int(os.environ["NODE_RANK"])
+    wanted = [(c.split("@")[0], c.split("@")[1]) for c in cases.split(",")]
+    result: dict[str, Any] = {"rank": rank}
+    for source in sorted({LOADERS[loader][0] for loader, _ in wanted}):
+        pl.seed_everything(0, verbose=False)
+        model = Resumable(**LOADERS[source][1])
+        where = {"dirpath": f"checkpoints/{source}", "save_top_k": -1}
+        steps = ModelCheckpoint(filename="{step}", every_n_train_steps=1, **where)
+        ends = ModelCheckpoint(
+            filename="{epoch}", every_n_epochs=1, save_on_train_epoch_end=True, **where
+        )
+        trainer = _trainer(BucketDDP(), 12, [steps, ends])
+        trainer.fit(model)
+        result[f"straight/{source}"] = {
+            "weights": weights(model),
+            "optimizer": trainer.optimizers[0].state_dict()["state"],
+        }
+    trainer.strategy.barrier("checkpoints written")
+    for loader, at in wanted:
+        file, *flags = at.split("/")
+        source, data = LOADERS[loader]
+        path = f"checkpoints/{source}/{file}.ckpt"
+        ddp = "ddp" in flags
+        strategy, path = ("ddp", str(out / "node0" / path)) if ddp else (BucketDDP(), path)
+        stop = (-1, 3) if "max_epochs" in flags else (12, None)
+        result[f"{loader}@{at}"] = _resume(strategy, path, *stop, **data)
+    return result
+
+
+SCENARIOS = {"resume": resume, "at_world_size": at_world_size, "epochs": epochs}
 
 
 def main() -> None:

@@ -1,0 +1,163 @@
+"""``Elastic``: snapshots and resume for a hand-written loop (``BucketDataParallel``, Fabric).
+
+The loop names what makes up its state, marks each step's end, and calls ``resume()`` once
+before training. Under torchrun, after a worker dies and torchrun restarts every worker,
+``resume()`` finds the newest snapshot on any node and puts it back into that state.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+
+from ..parallel import BucketDataParallel
+from . import rng
+from .job import NOT_UNDER_TORCHRUN, under_torchrun
+from .sampler import ElasticSampler, EpochPosition
+from .session import Session, check_every
+
+
+def wrapper_of(value: object) -> BucketDataParallel | None:
+    """The ``BucketDataParallel`` that ``value`` is or holds (Fabric's module), if any."""
+    for candidate in (value, getattr(value, "_forward_module", None)):
+        if isinstance(candidate, BucketDataParallel):
+            return candidate
+    return None
+
+
+def plan_of(wrapper: BucketDataParallel) -> dict[str, Any]:
+    """What a snapshot keeps of a wrapper's bucket plan: learned order, tuned sizes."""
+    return {"order": wrapper.bucket_order, "sizes": wrapper.tuned_bucket_sizes}
+
+
+def adopt_plan(wrapper: BucketDataParallel, plan: dict[str, Any]) -> None:
+    """Give ``wrapper`` the plan ``plan_of`` recorded (a no-op for what it lacks)."""
+    if plan.get("sizes") is not None:
+        wrapper.load_bucket_sizes(*plan["sizes"])
+    if plan.get("order") is not None:
+        wrapper.load_bucket_order(plan["order"])
+
+
+def rank_local_buffers(wrapper: BucketDataParallel) -> dict[str, Any]:
+    """The wrapper's rank-local (``"none"``) buffers: each rank's own values."""
+    names = wrapper.buffers_sync.rank_local
+    return {n: b.detach().clone() for n, b in wrapper.module.named_buffers() if n in names}
+
+
+def load_rank_local(wrapper: BucketDataParallel, values: dict[str, Any]) -> None:
+    """Put this rank's own rank-local buffer values back."""
+    buffers = dict(wrapper.module.named_buffers())
+    for name, value in values.items():
+        if name in buffers:
+            buffers[name].data.copy_(value)
+
+
+class Elastic:
+    """Snapshots of a hand-written loop's state in node-local shared memory, and resume
+    from them after torchrun restarts the workers (``docs/elastic.md``).
+
+    Args:
+        state: what to snapshot and restore, by name. A value with ``state_dict()`` and
+            ``load_state_dict()`` (a model, wrapped or not, an optimizer, an LR scheduler,
+            a StatefulDataLoader) is restored in place; any other value (a step counter, an
+            epoch number) is put back into ``state``.
+        every: take a snapshot every this many steps.
+        sampler: the training data's ``ElasticSampler``: after a restart, even at another
+            world size, the epoch goes on with the samples no rank has used yet.
+        batch_size: samples per rank per batch (needed with ``sampler``).
+        group: the process group (the default one if None).
+
+    Outside torchrun, nothing would restart the workers: it warns once and takes no
+    snapshots (``resume()`` returns False), so the same script runs anywhere.
+    """
+
+    def __init__(
+        self,
+        state: dict[str, Any],
+        *,
+        every: int = 1,
+        sampler: ElasticSampler | None = None,
+        batch_size: int | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if sampler is not None and (batch_size is None or batch_size < 1):
+            raise ValueError(
+                "Elastic(sampler=...) needs batch_size: the samples per rank per batch"
+            )
+        self.state = state
+        self.session: Session | None = None
+        if under_torchrun():
+            self.session = Session(every, group)
+        else:
+            check_every(every)
+            warnings.warn(NOT_UNDER_TORCHRUN, stacklevel=2)
+        self.sampler = sampler
+        self.batch_size = batch_size or 0
+        self.steps = 0
+        self._epoch: int | None = None
+        self._used = 0  # samples per rank used in the sampler's current epoch
+
+    def resume(self) -> bool:
+        """Restore the newest snapshot, if any node has one; returns whether it did. Call it
+        on every rank, once, after the model and optimizers exist and before training."""
+        restored = self.session.restore() if self.session is not None else None
+        if restored is None:
+            return False
+        saved = restored.state
+        for name, value in saved["state"].items():
+            current = self.state.get(name)
+            if hasattr(current, "load_state_dict"):
+                assert current is not None
+                current.load_state_dict(value)
+            else:
+                self.state[name] = value
+        for name, plan in saved["plans"].items():
+            if (wrapper := wrapper_of(self.state.get(name))) is not None:
+                adopt_plan(wrapper, plan)
+                wrapper.buffers_sync.reset_baseline()  # the loaded "sum" totals are agreed
+        self.steps = saved["steps"]
+        if self.sampler is not None and saved["position"] is not None:
+            self.sampler.resume(saved["position"], 0)
+            self._epoch, self._used = saved["position"].epoch, 0
+        own = restored.own
+        if own is not None:  # the same world size: this rank's own generators and buffers
+            rng.restore(own["rng"])
+            for name, values in own["rank_local"].items():
+                if (wrapper := wrapper_of(self.state.get(name))) is not None:
+                    load_rank_local(wrapper, values)
+        return True
+
+    def step(self, batches: int = 1) -> None:
+        """Mark the end of a step (after ``optimizer.step()``) that used ``batches`` batches
+        per rank; takes a snapshot when one is due."""
+        self.steps += 1
+        position = self._advance(batches)
+        if self.session is None or not self.session.due(self.steps):
+            return
+        saved: dict[str, Any] = {"state": {}, "plans": {}, "steps": self.steps}
+        own: dict[str, Any] = {"rng": rng.capture(), "rank_local": {}}
+        for name, value in self.state.items():
+            wrapper = wrapper_of(value)
+            if wrapper is not None:
+                wrapper.sync_buffers()  # the buffers by their policies, as a checkpoint has them
+                saved["plans"][name] = plan_of(wrapper)
+                own["rank_local"][name] = rank_local_buffers(wrapper)
+            saved["state"][name] = value.state_dict() if hasattr(value, "state_dict") else value
+        saved["position"] = position
+        self.session.take(self.steps, saved, own)
+
+    def _advance(self, batches: int) -> EpochPosition | None:
+        sampler = self.sampler
+        if sampler is None:
+            return None
+        if sampler.epoch != self._epoch:
+            self._epoch, self._used = sampler.epoch, 0
+        self._used += batches * self.batch_size
+        return sampler.position(self._used)
+
+    def finish(self) -> None:
+        """Training is over: remove this job's snapshots (a collective)."""
+        if self.session is not None:
+            self.session.finish()

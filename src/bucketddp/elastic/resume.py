@@ -1,0 +1,173 @@
+"""After a restart: find the newest complete snapshot on any node, agree on it, send it to all.
+
+One collective call (``restore``). The first rank of each node lists the complete snapshots
+in its node's folder; the ranks agree on the newest (at an unchanged world size, the newest
+whose ranks' own parts are all still there, so every rank gets its own RNG state back);
+its holder reads it, checks every share's size and checksum, and sends it with
+``checkpoint.broadcast_checkpoint``. A snapshot that fails the check is never loaded: the
+ranks go on to the next newest, and return None when there is none.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import broadcast_checkpoint, join_tensors
+from ..comm import global_rank
+from .files import Snapshot, checksum, remove_except, scan
+from .job import Job
+
+log = logging.getLogger(__name__)
+
+
+class CorruptSnapshot(RuntimeError):
+    """A snapshot's files do not hold what its metas say."""
+
+
+@dataclass
+class Restored:
+    """What ``restore`` returns: the state, the step, and this rank's own part (or None)."""
+
+    state: Any
+    step: int
+    own: Any
+    world_size: int  # the world size the snapshot was taken at
+    source: str  # where it came from, for the log
+
+
+def read(snapshot: Snapshot) -> tuple[Any, dict[int, bytes]]:
+    """The state a node's snapshot holds, and each writer's own part by its global rank."""
+    metas = snapshot.metas
+    first = metas[0]
+    shape = [(m["skeleton"], m["metas"], m["owners"], m["offsets"]) for m in metas.values()]
+    if any(s != shape[0] for s in shape):
+        raise CorruptSnapshot(f"the ranks of node {snapshot.node} wrote different states")
+    shares = {}
+    for local, meta in metas.items():
+        path = Path(meta["path"]).with_suffix(".data")
+        nbytes = meta["nbytes"]
+        if not path.exists() or path.stat().st_size < nbytes:
+            raise CorruptSnapshot(f"{path} is missing or short")
+        data = torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8)
+        if checksum(data) != meta["checksum"]:
+            raise CorruptSnapshot(f"{path} fails its checksum")
+        shares[local] = data
+    tensors = []
+    for meta, owner, offset in zip(first["metas"], first["owners"], first["offsets"], strict=True):
+        raw = shares[owner][offset : offset + meta.nbytes]
+        tensors.append(raw.view(meta.dtype).view(meta.shape).clone())
+    state = join_tensors(first["skeleton"], tensors, first["metas"])
+    return state, {m["rank"]: m["own"] for m in metas.values()}
+
+
+def _listing(job: Job) -> list[tuple[int, int, int, list[int], int]]:
+    """(step, attempt, node, writers' global ranks, world size) of this node's snapshots."""
+    if job.local_rank != 0:
+        return []
+    return [
+        (
+            s.step,
+            s.attempt,
+            s.node,
+            sorted(m["rank"] for m in s.metas.values()),
+            s.metas[0]["world_size"],
+        )
+        for s in scan(job.directory())
+    ]
+
+
+def _candidates(everyone: list[list[Any]], world: int) -> list[tuple[Any, int]]:
+    """Each snapshot with its holder (the lowest rank that lists it), best first."""
+    holders: dict[tuple[int, int, int], int] = {}
+    info: dict[tuple[int, int, int], tuple[list[int], int]] = {}
+    for rank, listing in enumerate(everyone):
+        for step, attempt, node, writers, old_world in listing:
+            key = (step, attempt, node)
+            holders.setdefault(key, rank)
+            info[key] = (writers, old_world)
+    covered: dict[int, set[int]] = {}  # step -> the old ranks whose own parts exist
+    for (step, _, _), (writers, _) in info.items():
+        covered.setdefault(step, set()).update(writers)
+
+    def rank_of(key: tuple[int, int, int]) -> tuple[bool, int, int, int]:
+        step, attempt, node = key
+        whole = covered[step] >= set(range(info[key][1])) and info[key][1] == world
+        return (whole, step, attempt, -node)
+
+    return [(key, holders[key]) for key in sorted(holders, key=rank_of, reverse=True)]
+
+
+def restore(job: Job, group: dist.ProcessGroup | None = None) -> Restored | None:
+    """Find, agree on and load the newest readable snapshot of this job (a collective)."""
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, _listing(job), group=group)
+    for key, holder in _candidates(everyone, world):
+        step, attempt, node = key
+        status: list[Any] = [None]
+        found: Snapshot | None = None
+        if me == holder:
+            found = next((s for s in scan(job.directory()) if s.key == key), None)
+            try:
+                if found is None:
+                    raise CorruptSnapshot("it went away")
+                state, owns = read(found)
+                status = [("ok", found.metas[0]["world_size"])]
+            except Exception as e:
+                state, owns = None, {}
+                status = [("bad", repr(e))]
+        dist.broadcast_object_list(status, src=global_rank(group, holder), group=group)
+        if status[0][0] != "ok":
+            if me == 0:
+                why = status[0][1]
+                log.warning(
+                    "bucketddp: snapshot of step %d (node %d) is unusable: %s", step, node, why
+                )
+            continue
+        old_world = status[0][1]
+        state = broadcast_checkpoint(state if me == holder else None, group=group, src=holder)
+        own = _gather_owns(job, step, old_world, owns if me == holder else {}, group)
+        if me == holder and found is not None:
+            log.info(
+                "bucketddp: resuming from the snapshot of step %d (attempt %d, node %d)",
+                step,
+                attempt,
+                node,
+            )
+        return Restored(state, step, own, old_world, f"step {step}, attempt {attempt}, node {node}")
+    return None
+
+
+def _gather_owns(
+    job: Job, step: int, old_world: int, owns: dict[int, bytes], group: dist.ProcessGroup | None
+) -> Any:
+    """This rank's own part from the snapshots of ``step`` (all nodes'), if the world size
+    is unchanged; else None."""
+    if job.local_rank == 0:
+        for s in scan(job.directory()):
+            if s.step == step:
+                owns.update({m["rank"]: m["own"] for m in s.metas.values()})
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, owns, group=group)
+    if old_world != dist.get_world_size(group):
+        return None
+    mine = next((o[job.rank] for o in everyone if job.rank in o), None)
+    return None if mine is None else torch.load(io.BytesIO(mine), weights_only=False)
+
+
+def keep_only(job: Job, step: int) -> None:
+    """Remove this node's snapshot files but those of ``step`` (after resuming from it)."""
+    if job.local_rank != 0:
+        return
+    keep = [
+        Path(m["path"]) for s in scan(job.directory()) if s.step == step for m in s.metas.values()
+    ]
+    remove_except(job.directory(), keep)

@@ -1,0 +1,140 @@
+"""Taking a snapshot at a step boundary: each rank of a node copies its share to shared memory.
+
+The state (any object holding tensors: a Lightning checkpoint, a dict of state dicts) is
+taken apart as ``checkpoint.py`` does to send it: a skeleton (the object pickled with each
+tensor replaced by its index) and the tensors. Every rank of the node holds the same state
+(data parallelism), so the tensors are dealt among them, largest first to the least loaded,
+and each copies only its share, straight into a mapped shared-memory file: one copy, split
+over the node's ranks. A background thread then checksums the share and writes the meta
+that makes it count (``files.py``), off the step's critical path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import TensorMeta, as_bytes, split_tensors
+from .files import Part, checksum, map_bytes, remove, write_meta
+from .job import Job
+
+ALIGN = 64  # bytes: every tensor starts on such a boundary in a data file
+FORMAT = 1
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def deal(metas: list[TensorMeta], ways: int) -> tuple[list[int], list[int], list[int]]:
+    """Each tensor's writer and offset, and each writer's bytes: largest tensors first,
+    each to the writer with the fewest bytes so far (ties to the lowest)."""
+    owners = [0] * len(metas)
+    offsets = [0] * len(metas)
+    loads = [0] * ways
+    for i in sorted(range(len(metas)), key=lambda i: (-metas[i].nbytes, i)):
+        w = min(range(ways), key=lambda w: (loads[w], w))
+        owners[i], offsets[i] = w, loads[w]
+        loads[w] += _aligned(metas[i].nbytes)
+    return owners, offsets, loads
+
+
+def to_bytes(obj: Any) -> bytes:
+    """``obj`` saved with ``torch.save``: a rank's own part (RNG states, ...)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+class Writer:
+    """Writes this rank's share of each snapshot into its node's snapshot folder."""
+
+    def __init__(self, job: Job, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.job = job
+        self.directory = directory
+        self._maps: dict[int, torch.Tensor] = {}
+        self._slot = 0
+        self._done = [threading.Event(), threading.Event()]
+        for event in self._done:
+            event.set()
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="bucketddp-snapshots", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+        self.committed: tuple[int, Path] | None = None  # (step, meta) of the last commit
+
+    def take(self, step: int, state: Any, own: Any = None) -> None:
+        """Snapshot ``state`` as of ``step``; ``own`` is this rank's own part (not shared)."""
+        slot = self._slot
+        self._slot ^= 1
+        self._done[slot].wait()  # that slot's last commit must be finished before reuse
+        part = Part(self.job.attempt, self.job.node, self.job.local_rank, slot)
+        meta_path = part.path(self.directory, "meta")
+        remove(meta_path)
+        skeleton, tensors, metas = split_tensors(state)
+        owners, offsets, loads = deal(metas, self.job.local_world_size)
+        me = self.job.local_rank
+        data = self._map(slot, part, loads[me])
+        for i, t in enumerate(tensors):
+            if owners[i] == me:
+                n = metas[i].nbytes
+                data[offsets[i] : offsets[i] + n].copy_(as_bytes(t))
+        payload = {
+            "format": FORMAT,
+            "step": step,
+            "attempt": self.job.attempt,
+            "node": self.job.node,
+            "local_rank": me,
+            "local_world_size": self.job.local_world_size,
+            "rank": self.job.rank,
+            "world_size": self.job.world_size,
+            "skeleton": skeleton,
+            "metas": metas,
+            "owners": owners,
+            "offsets": offsets,
+            "nbytes": loads[me],
+            "own": to_bytes(own),
+        }
+        self._done[slot].clear()
+        self._queue.put(lambda: self._commit(slot, meta_path, data, payload))
+
+    def _map(self, slot: int, part: Part, nbytes: int) -> torch.Tensor:
+        mapped = self._maps.get(slot)
+        if mapped is None or mapped.numel() != nbytes:
+            self._maps[slot] = mapped = map_bytes(part.path(self.directory, "data"), nbytes)
+        return mapped
+
+    def _commit(self, slot: int, path: Path, data: torch.Tensor, payload: dict[str, Any]) -> None:
+        try:
+            payload["checksum"] = checksum(data)
+            write_meta(path, payload)
+            self.committed = (payload["step"], path)
+        finally:
+            self._done[slot].set()
+
+    def _work(self) -> None:
+        while (task := self._queue.get()) is not None:
+            try:
+                task()
+            except Exception as e:  # a snapshot that cannot be written is not one
+                print(f"bucketddp: a snapshot could not be written: {e!r}", flush=True)
+
+    def wait(self) -> None:
+        """Wait until every snapshot taken so far is written."""
+        for event in self._done:
+            event.wait()
+
+    def close(self) -> None:
+        """Finish the writes in flight and stop the thread (also at exit)."""
+        atexit.unregister(self.close)
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()

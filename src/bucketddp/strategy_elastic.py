@@ -1,0 +1,205 @@
+"""``BucketDDP(elastic=True)``: the Trainer's snapshots and resume under torchrun.
+
+``bucketddp.elastic`` does the work (shared memory, agreement, transfer); this module ties it
+to the Trainer, through the strategy's hooks and one callback:
+
+- before fit (in the launcher): the process group is set up, and the ranks agree on the
+  newest snapshot of this job, if a node has one; if so, ``trainer.ckpt_path`` points
+  Lightning at it, and ``BucketDDP.load_checkpoint`` hands it over: Lightning then restores
+  the model, optimizers, schedulers, loops and callbacks as from a checkpoint file;
+- the training loader's ``DistributedSampler`` (the one Lightning puts in) becomes an
+  ``ElasticSampler`` following its epoch, so a resumed epoch goes on with the samples no
+  rank has used yet, at any world size;
+- after each ``snapshot_every``-th optimizer step (``on_train_batch_end``, where a
+  ``ModelCheckpoint(every_n_train_steps=...)`` saves), the checkpoint Lightning would save
+  goes to shared memory instead, with each rank's RNG states and rank-local buffers;
+- the first training step after a resume puts those back; a fit that ends normally removes
+  the job's snapshots.
+
+Like ``strategy.py``, a strategy module: it imports Lightning. The private Lightning name it
+uses is ``trainer._checkpoint_connector.dump_checkpoint`` (what ``trainer.save_checkpoint``
+saves, without its barrier).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Callback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DistributedSampler
+
+from .elastic import rng
+from .elastic.job import NOT_UNDER_TORCHRUN, under_torchrun
+from .elastic.loop import load_rank_local, rank_local_buffers
+from .elastic.resume import Restored
+from .elastic.sampler import ElasticSampler
+from .elastic.session import Session
+from .parallel import BucketDataParallel
+
+TOKEN = "bucketddp-elastic://newest-snapshot"
+"""The ``ckpt_path`` that stands for the agreed snapshot."""
+ENTRY = "bucketddp_elastic"
+"""The checkpoint entry with the training sampler's position."""
+
+
+class _FollowingSampler(ElasticSampler):
+    """An ``ElasticSampler`` in place of the ``DistributedSampler`` Lightning made, taking
+    the epoch Lightning gives that one."""
+
+    def __init__(self, original: DistributedSampler) -> None:
+        self._original = original
+        super().__init__(
+            original.dataset,
+            num_replicas=original.num_replicas,
+            rank=original.rank,
+            shuffle=original.shuffle,
+            seed=original.seed,
+            drop_last=original.drop_last,
+        )
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the sampler Lightning made (``set_epoch`` sets that one too)."""
+        return int(self._original.epoch)
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._original.epoch = value
+
+
+class TrainerElastic:
+    """What ``BucketDDP(elastic=True)`` keeps between its hooks (see the module docstring)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.session: Session | None = None
+        self.restored: Restored | None = None
+        self.sampler: _FollowingSampler | None = None
+        self.batch_size = 0
+        self._own: Any = None  # this rank's own part, until the first training step
+        self._position: dict[str, Any] | None = None  # the sampler's, from the snapshot
+        self._last_step = -1
+
+    def before_fit(self, strategy: Any, trainer: Any, user_ckpt_path: Any) -> None:
+        """In the launcher: set up the group and agree on the snapshot to resume from."""
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if not under_torchrun():
+            rank_zero_warn(NOT_UNDER_TORCHRUN)
+            return
+        strategy.setup_environment()  # the group now; Lightning's setup finds it made
+        if self.session is None:
+            self.session = Session(self.every)
+        if not any(isinstance(c, _Snapshots) for c in trainer.callbacks):
+            trainer.callbacks.append(_Snapshots(self))
+        self.restored = self.session.restore()
+        if self.restored is None:
+            return
+        self._own = self.restored.own
+        self._last_step = self.restored.step
+        if user_ckpt_path is not None:
+            rank_zero_info(
+                f"bucketddp: resuming from this job's snapshot ({self.restored.source}), "
+                f"which is newer than ckpt_path={user_ckpt_path!r}"
+            )
+        else:
+            rank_zero_info(f"bucketddp: resuming from this job's snapshot ({self.restored.source})")
+            trainer.ckpt_path = TOKEN
+
+    def take_restored(self, trainer: Any) -> dict[str, Any] | None:
+        """The agreed snapshot's checkpoint, once (``load_checkpoint``); None if none."""
+        restored, self.restored = self.restored, None
+        if restored is None:
+            return None
+        if trainer.ckpt_path == TOKEN:
+            trainer.ckpt_path = None  # a later validate() or test() loads what it is told
+        self._position = restored.state.get(ENTRY)
+        self._resume_sampler()
+        if self._position is not None and self._position["epoch_end"]:
+            # Taken on an epoch's last batch: the fit that went on made the next epoch's
+            # loader iterator (which draws a seed) after it; so does this one, from here.
+            self._restore_own(None)
+        return restored.state
+
+    def _resume_sampler(self) -> None:
+        if self._position is not None and self.sampler is not None:
+            self.sampler.resume(self._position["position"], self._position["used"])
+
+    def process_dataloader(self, trainer: Any, dataloader: Any) -> Any:
+        """Put an ``ElasticSampler`` in the training loader, in place of Lightning's
+        ``DistributedSampler``."""
+        batch_sampler: Any = getattr(dataloader, "batch_sampler", None)
+        original = getattr(batch_sampler, "sampler", None)
+        if self.session is None or not trainer.training or type(original) is not DistributedSampler:
+            return dataloader
+        self.sampler = _FollowingSampler(original)
+        batch_sampler.sampler = self.sampler
+        self.batch_size = int(batch_sampler.batch_size)
+        self._resume_sampler()
+        return dataloader
+
+    def before_training_step(self, wrapped: BucketDataParallel | None) -> None:
+        """After a resume at an unchanged world size, put back this rank's own RNG states
+        and rank-local buffers, where the interrupted fit took them: mid-epoch, after the
+        loader's iterator was made, at the first training step."""
+        self._restore_own(wrapped)
+
+    def _restore_own(self, wrapped: BucketDataParallel | None) -> None:
+        own = self._own
+        if own is None:
+            return
+        if own["rng"] is not None:
+            rng.restore(own["rng"])
+            own["rng"] = None
+        if wrapped is not None:
+            load_rank_local(wrapped, own["rank_local"])
+            self._own = None
+
+    def snapshot(self, trainer: Any, wrapped: BucketDataParallel, plan: dict[str, Any]) -> None:
+        """After an optimizer step, if a snapshot is due: take it."""
+        step = trainer.global_step
+        session = self.session
+        if session is None or step == self._last_step or not session.due(step):
+            return
+        self._last_step = step
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if plan:
+            checkpoint["bucketddp"] = plan
+        if self.sampler is not None:
+            # The sampler keeps the position; the loader's own state would skip it twice.
+            loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+            loops.pop("combined_loader", None)
+            progress = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            used = progress * self.batch_size
+            checkpoint[ENTRY] = {
+                "position": self.sampler.position(used),
+                "used": used,
+                "epoch_end": progress >= trainer.num_training_batches,
+            }
+        own = {"rng": rng.capture(), "rank_local": rank_local_buffers(wrapped)}
+        session.take(step, checkpoint, own)
+
+    def finish(self) -> None:
+        """The fit ended normally: remove the job's snapshots."""
+        if self.session is not None:
+            self.session.finish()
+
+
+class _Snapshots(Callback):
+    """Takes the snapshots, where ``ModelCheckpoint(every_n_train_steps=...)`` saves."""
+
+    def __init__(self, elastic: TrainerElastic) -> None:
+        self.elastic = elastic
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+        """Snapshot after an optimizer step, when one is due."""
+        strategy = trainer.strategy
+        wrapped = getattr(strategy, "_wrapped", None)
+        if wrapped is not None:
+            self.elastic.snapshot(trainer, wrapped, strategy.plan_entry())
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """A fit that ends normally leaves no snapshot behind."""
+        self.elastic.finish()

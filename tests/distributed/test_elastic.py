@@ -1,0 +1,50 @@
+"""Elastic training under torchrun with a hand-written loop (real torchrun jobs, real kills).
+
+Rank 1 is killed (SIGKILL) once 16 steps are done (an epoch boundary) and, in another job,
+once 11 are done (mid-epoch). torchrun restarts both workers; the loop resumes from the
+newest snapshot in shared memory. Each job must exit 0 with the weights of a job that was
+never interrupted, bit for bit, having done at most one step twice, written nothing outside
+shared memory, and left no snapshot behind. And ten restarts in a row must each form
+their process group (the agent's store keeps the last attempt's gloo addresses).
+"""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from elastic_runs import done_twice, same_weights, torchrun
+from lightning_runs import SUPPORT
+
+LOOP = SUPPORT / "elastic_loop.py"
+
+
+def test_a_killed_rank_costs_at_most_one_step_of_a_plain_loop(tmp_path: Path) -> None:
+    shm = Path("/dev/shm") / f"bucketddp-test-{uuid.uuid4().hex[:8]}"
+    runs = {"straight": "-1", "epoch_end": "16", "mid_epoch": "11"}
+    for name in runs:
+        (tmp_path / name).mkdir()
+
+    def run(name: str) -> str:
+        env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm / name)}
+        return torchrun(LOOP, str(tmp_path / name), runs[name], env=env)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        list(pool.map(run, runs))
+    for name in ("epoch_end", "mid_epoch"):
+        out = tmp_path / name
+        assert same_weights(out / "final.pt", tmp_path / "straight" / "final.pt"), name
+        for rank in (0, 1):
+            assert len(done_twice(out, rank)) <= 1, (name, rank, done_twice(out, rank))
+        assert "attempt 1" in (out / "steps.rank1").read_text()  # it did restart
+        written = sorted(p.name for p in out.iterdir())
+        assert written == ["final.pt", "steps.rank0", "steps.rank1"], written
+        assert not any((shm / name).glob("**/*")), "snapshots left after a clean finish"
+
+
+def test_ten_restarts_in_a_row_each_form_their_group(tmp_path: Path) -> None:
+    torchrun(SUPPORT / "elastic_restarts.py", str(tmp_path), "10", restarts=10, timeout=300)
+    for rank in (0, 1):
+        formed = (tmp_path / f"formed.rank{rank}").read_text().split("\n")
+        assert [line for line in formed if line] == [f"formed {a}" for a in range(11)]

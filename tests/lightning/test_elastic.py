@@ -1,0 +1,155 @@
+"""BucketDDP(elastic=True) and BucketFabricDDP(elastic=True) under torchrun: real jobs, real kills.
+
+- A Trainer fit of 24 steps (8 an epoch) on 2 workers, rank 1 SIGKILLed once 16 steps are
+  done (an epoch boundary, plain DataLoader) and once 11 are (mid-epoch, StatefulDataLoader),
+  and the same loop under Fabric: each job exits 0 with the weights of the fit that was
+  never interrupted, bit for bit (dropout included), having done at most one step twice,
+  written no file but the test's own, and left no snapshot behind.
+- A node lost: two torchrun agents on this machine (``--nnodes=1:2``), one killed with its
+  worker mid-epoch; the other goes on at world size 1, every epoch uses every row exactly
+  once, and a ``"sum"`` buffer counts every row once.
+- Without torchrun, ``elastic=True`` says it takes no snapshots.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from elastic_runs import done_twice, same_weights, torchrun
+from lightning_runs import ROOT, SUPPORT
+from multirank import free_port
+
+pytest.importorskip("lightning")
+
+SCRIPT = SUPPORT / "elastic_lightning.py"
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    path = Path("/dev/shm") / f"bucketddp-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path) -> None:
+    runs = {
+        "trainer/straight": ("trainer", "-1"),
+        "trainer/epoch_end": ("trainer", "16"),
+        "stateful/mid_epoch": ("stateful", "11"),
+        "fabric/straight": ("fabric", "-1"),
+        "fabric/epoch_end": ("fabric", "16"),
+        "fabric/mid_epoch": ("fabric", "11"),
+    }
+
+    def run(name: str) -> None:
+        out = tmp_path / name
+        out.mkdir(parents=True)
+        mode, kill = runs[name]
+        env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm / name.replace("/", "-"))}
+        torchrun(SCRIPT, mode, str(out), kill, env=env)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        list(pool.map(run, runs))
+    for name in runs:
+        if name.endswith("straight"):
+            continue
+        out, family = tmp_path / name, name.split("/")[0]
+        straight = tmp_path / ("fabric" if family == "fabric" else "trainer") / "straight"
+        assert same_weights(out / "final.pt", straight / "final.pt"), name
+        assert "attempt 1" in (out / "steps.rank1").read_text(), f"{name} did not restart"
+        for rank in (0, 1):
+            assert len(done_twice(out, rank)) <= 1, (name, rank, done_twice(out, rank))
+        written = sorted(p.name for p in out.iterdir())
+        assert written == ["final.pt", "steps.rank0", "steps.rank1"], (name, written)
+    assert not any(shm.glob("**/*.meta")), "snapshots left after a clean finish"
+
+
+def _agent(out: Path, port: int, host: bool, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    conf = f"is_host={int(host)},last_call_timeout=2"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=job{port}",
+        f"--rdzv-conf={conf}",
+        "--max-restarts=1",
+        "--monitor-interval=0.1",
+        str(SCRIPT),
+        "nodes",
+        str(out),
+        "11",
+    ]
+    log = open(out / f"agent{'A' if host else 'B'}.log", "wb")  # noqa: SIM115
+    return subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, **env},
+        start_new_session=True,
+    )
+
+
+def test_a_lost_node_leaves_the_rest_training_on_every_row_once(tmp_path: Path, shm: Path) -> None:
+    port = free_port()
+    env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm)}
+    survivor = _agent(tmp_path, port, host=True, env=env)  # hosts the rendezvous store
+    victim = _agent(tmp_path, port, host=False, env={**env, "ELASTIC_VICTIM": "1"})
+    try:
+        assert survivor.wait(timeout=240) == 0, (tmp_path / "agentA.log").read_text()[-4000:]
+        assert victim.wait(timeout=30) == -signal.SIGKILL  # its worker killed it at step 11
+    finally:
+        for proc in (survivor, victim):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert (tmp_path / "done.rank0").read_text().split() == ["world", "1", "seen", "192"]
+    # The rows of every step up to the snapshot resumed from, then of every step after it.
+    first = (tmp_path / "rows.rank0.attempt1").read_text().splitlines()[0]
+    resumed = int(first.split()[0])
+    rows: dict[int, Counter[int]] = {}
+    for log in sorted(tmp_path.glob("rows.rank*.attempt*")):
+        for line in log.read_text().splitlines():
+            step, epoch, *indices = map(int, line.split())
+            if log.name.endswith("attempt0") and step >= resumed:
+                continue
+            rows.setdefault(epoch, Counter()).update(indices)
+    assert sorted(rows) == [0, 1, 2]
+    for epoch, count in rows.items():
+        assert count == Counter(range(64)), f"epoch {epoch}: rows lost or used twice"
+
+
+def test_elastic_without_torchrun_says_it_takes_no_snapshots(tmp_path: Path) -> None:
+    code = (
+        "import lightning.pytorch as pl, torch, warnings\n"
+        "from lightning.pytorch.demos.boring_classes import BoringModel\n"
+        "from bucketddp import BucketDDP\n"
+        "t = pl.Trainer(accelerator='cpu', devices=1, max_steps=1, logger=False,\n"
+        "    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,\n"
+        "    strategy=BucketDDP(elastic=True))\n"
+        "t.fit(BoringModel())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "elastic training takes no snapshots in this run: it needs torchrun" in out.stderr

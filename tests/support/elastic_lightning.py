@@ -1,0 +1,181 @@
+"""Lightning under torchrun with elastic snapshots: run by tests/lightning/test_elastic.py.
+
+``python elastic_lightning.py MODE OUT KILL`` on 2 workers: a Trainer fit of 24 steps (8 an
+epoch) with ``BucketDDP(elastic=True)`` and a plain DataLoader (``trainer``) or a
+StatefulDataLoader (``stateful``), or the same loop under Fabric with
+``BucketFabricDDP(elastic=True)`` (``fabric``). In attempt 0, rank 1 kills itself
+(SIGKILL) when ``KILL`` steps are done. Each rank logs the steps it completes to
+``OUT/steps.rank<R>``; rank 0 saves the final weights to ``OUT/final.pt``. Nothing else is
+written: no logger, no checkpoint callback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric
+from torch.utils.data import DataLoader
+
+from bucketddp import BucketDDP, BucketFabricDDP
+from bucketddp.elastic import ElasticSampler
+from elastic_loop import BATCH, EPOCHS, dataset
+
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 2)
+    )
+
+
+def _kill_if_due(rank: int, done: int, kill: int) -> None:
+    if ATTEMPT == 0 and rank == 1 and done == kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Module(pl.LightningModule):
+    def __init__(self, out: str, kill: int, stateful: bool) -> None:
+        super().__init__()
+        self.net = _net()
+        self.out, self.kill, self.stateful = out, kill, stateful
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        _kill_if_due(self.global_rank, self.trainer.global_step, self.kill)
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        with open(f"{self.out}/steps.rank{self.global_rank}", "a") as log:
+            print(f"step {self.trainer.global_step} attempt {ATTEMPT}", file=log)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> Any:
+        if self.stateful:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(dataset(), batch_size=BATCH)
+        return DataLoader(dataset(), batch_size=BATCH)
+
+
+def trainer(out: str, kill: int, stateful: bool) -> None:
+    model = Module(out, kill, stateful)
+    fit = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=BucketDDP(elastic=True),
+        max_steps=EPOCHS * 8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
+    fit.fit(model)
+    if fit.global_rank == 0:
+        torch.save(model.net.state_dict(), f"{out}/final.pt")
+
+
+def fabric(out: str, kill: int) -> None:
+    fab = Fabric(accelerator="cpu", devices=2, strategy=BucketFabricDDP(elastic=True))
+    fab.launch()
+    net = _net()
+    model, opt = fab.setup(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    data = dataset()
+    sampler = ElasticSampler(data, shuffle=True, seed=0)
+    # Not through fab.setup_dataloaders: Fabric's loader sets the sampler's epoch to its own
+    # count of iterations, which starts again at 0 in a restarted process.
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler, generator=torch.Generator())
+    state = {"model": model, "optimizer": opt, "epoch": 0}
+    job = fab.strategy.elastic(state, sampler=sampler, batch_size=BATCH)
+    job.resume()
+    rank = fab.global_rank
+    with open(f"{out}/steps.rank{rank}", "a") as log:
+        while state["epoch"] < EPOCHS:
+            sampler.set_epoch(state["epoch"])
+            for x, y in loader:
+                _kill_if_due(rank, job.steps, kill)
+                fab.backward(torch.nn.functional.mse_loss(model(x), y))
+                opt.step()
+                opt.zero_grad()
+                print(f"step {job.steps + 1} attempt {ATTEMPT}", file=log, flush=True)
+                job.step()
+            state["epoch"] += 1
+    job.finish()
+    if rank == 0:
+        torch.save(net.state_dict(), f"{out}/final.pt")
+
+
+class Counting(pl.LightningModule):
+    """Logs the rows it trains on; its ``seen`` buffer sums them over the ranks."""
+
+    def __init__(self, out: str, kill: int) -> None:
+        super().__init__()
+        self.net = _net()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.out, self.kill = out, kill
+
+    def configure_buffer_sync(self) -> dict[str, str]:
+        return {"seen": "sum"}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        victim = os.environ.get("ELASTIC_VICTIM") == "1"
+        if ATTEMPT == 0 and victim and self.trainer.global_step == self.kill:
+            os.kill(os.getppid(), signal.SIGKILL)  # this node's agent, then this worker
+            os.kill(os.getpid(), signal.SIGKILL)
+        index, x, y = batch
+        self.seen += len(index)
+        rows = " ".join(str(int(i)) for i in index)
+        with open(f"{self.out}/rows.rank{self.global_rank}.attempt{ATTEMPT}", "a") as log:
+            print(f"{self.trainer.global_step} {self.current_epoch} {rows}", file=log)
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> Any:
+        rows = dataset().tensors
+        indexed = torch.utils.data.TensorDataset(torch.arange(len(rows[0])), *rows)
+        return DataLoader(indexed, batch_size=BATCH)
+
+
+def nodes(out: str, kill: int) -> None:
+    """One worker per node, on one or two nodes: the epoch goes on at the size left."""
+    model = Counting(out, kill)
+    fit = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=int(os.environ["WORLD_SIZE"]),
+        strategy=BucketDDP(elastic=True),
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
+    fit.fit(model)
+    with open(f"{out}/done.rank{fit.global_rank}", "w") as f:
+        print(f"world {fit.world_size} seen {int(model.seen)}", file=f)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    mode, out, kill = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if mode == "fabric":
+        fabric(out, kill)
+    elif mode == "nodes":
+        nodes(out, kill)
+    else:
+        trainer(out, kill, stateful=mode == "stateful")
+    if dist.is_initialized():
+        dist.destroy_process_group()

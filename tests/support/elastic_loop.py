@@ -1,0 +1,66 @@
+"""A hand-written loop under torchrun with ``bucketddp.elastic``: run by test_elastic.py.
+
+Three epochs of 8 steps on 2 ranks (a shuffled ElasticSampler). In attempt 0, rank 1 kills
+itself (SIGKILL) when ``kill`` steps are done; torchrun restarts both workers and the loop
+resumes from the newest snapshot. Each rank logs every step it completes (and the attempt)
+to ``<out>/steps.rank<R>``; rank 0 saves the final weights to ``<out>/final.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+from bucketddp import BucketDataParallel
+from bucketddp.elastic import Elastic, ElasticSampler, init_process_group
+
+EPOCHS, BATCH = 3, 4
+
+
+def dataset() -> TensorDataset:
+    """64 rows: 8 steps an epoch on 2 ranks."""
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g))
+
+
+def main(out: str, kill: int) -> None:
+    torch.set_num_threads(1)
+    init_process_group("gloo")
+    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 2))
+    model = BucketDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = dataset()
+    sampler = ElasticSampler(data, shuffle=True, seed=0)
+    # A generator of its own: a new iterator then draws its seed from it, not from torch's
+    # global one, whose stream (dropout here) goes on exactly after a resume.
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler, generator=torch.Generator())
+    state = {"model": model, "optimizer": opt, "epoch": 0}
+    job = Elastic(state, sampler=sampler, batch_size=BATCH)
+    job.resume()
+    with open(f"{out}/steps.rank{rank}", "a") as log:
+        while state["epoch"] < EPOCHS:
+            sampler.set_epoch(state["epoch"])
+            for x, y in loader:
+                if attempt == 0 and rank == 1 and job.steps == kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                print(f"step {job.steps + 1} attempt {attempt}", file=log, flush=True)
+                job.step()
+            state["epoch"] += 1
+    job.finish()
+    if rank == 0:
+        torch.save(net.state_dict(), f"{out}/final.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
