@@ -59,6 +59,7 @@ TEST_TOOLS = [
     "torchdata>=0.8",
     "torchmetrics>=1.3",
     "click>=8",
+    "scikit-learn>=1.3",
     "setuptools>=68",
 ]
 
@@ -187,13 +188,16 @@ def _build(combo: Combo, py: Path, log: Path) -> None:
         import dev  # the project's .venv, as `python3 dev.py test` makes it
 
         dev.ensure_venv()
-    elif not (combo.env / ".complete").exists():
-        shutil.rmtree(combo.env, ignore_errors=True)
-        combo.env.parent.mkdir(parents=True, exist_ok=True)
-        _run([_python(combo.python), "-m", "venv", str(combo.env)], log)
+    else:
         # Lightning's newest, for its dependencies; each combination's own comes in a layer.
-        _install(py, [f"torch=={combo.torch}", *TEST_TOOLS, f"lightning=={LIGHTNING['2.6']}"], log)
-        (combo.env / ".complete").write_text(combo.torch)
+        base = [f"torch=={combo.torch}", *TEST_TOOLS, f"lightning=={LIGHTNING['2.6']}"]
+        stamp = combo.env / ".complete"
+        if not stamp.exists():
+            shutil.rmtree(combo.env, ignore_errors=True)
+            _run([_python(combo.python), "-m", "venv", str(combo.env)], log)
+        if not stamp.exists() or stamp.read_text() != " ".join(base):
+            _install(py, base, log)  # an environment of an older list gets what is new
+            stamp.write_text(" ".join(base))
     if not (combo.layer / ".complete").exists():
         shutil.rmtree(combo.layer, ignore_errors=True)
         want = f"lightning=={LIGHTNING[combo.lightning]}"
