@@ -1,4 +1,4 @@
-"""Lightning under torchrun with elastic snapshots: run by tests/lightning/test_elastic.py.
+"""Lightning under torchrun with elastic snapshots: run by tests/lightning/test_elastic_trainer.py.
 
 ``python elastic_lightning.py MODE OUT KILL`` on 2 workers: a Trainer fit of 24 steps (8 an
 epoch) with ``BucketDDP(elastic=True)`` and a plain DataLoader (``trainer``) or a
