@@ -1,8 +1,8 @@
 """BucketDDP(elastic=True) and BucketFabricDDP(elastic=True) under torchrun: real jobs, real kills.
 
 - A Trainer fit of 24 steps (8 an epoch) on 2 workers, rank 1 SIGKILLed once 16 steps are
-  done (an epoch boundary, plain DataLoader) and once 11 are (mid-epoch, StatefulDataLoader),
-  and the same loop under Fabric: each job exits 0 with the weights of the fit that was
+  done (an epoch boundary, plain DataLoader) and once 11 are (mid-epoch, a plain DataLoader
+  and a StatefulDataLoader), and the same loop under Fabric: each job exits 0 with the weights of the fit that was
   never interrupted, bit for bit (dropout included), having done at most one step twice,
   written no file but the test's own, and left no snapshot behind.
 - A node lost: two torchrun agents on this machine (``--nnodes=1:2``), one killed with its
@@ -46,6 +46,7 @@ def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path) -> None
     runs = {
         "trainer/straight": ("trainer", "-1"),
         "trainer/epoch_end": ("trainer", "16"),
+        "trainer/mid_epoch": ("trainer", "11"),
         "stateful/mid_epoch": ("stateful", "11"),
         "fabric/straight": ("fabric", "-1"),
         "fabric/epoch_end": ("fabric", "16"),
