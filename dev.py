@@ -9,11 +9,12 @@
     python3 dev.py fuzz-lightning   # the strategy fuzzer against "ddp": --schedules 100
     python3 dev.py lint    # ruff and mypy
     python3 dev.py wheel   # build the sdist and wheel, twine check, run two examples from the wheel
+    python3 dev.py docs    # build the docs site strictly into docs/_build/html
 
 The first call creates .venv and installs the project with every pin in constraints.txt,
 so a CPU machine gets the CPU build of torch instead of the multi-GB CUDA wheels. Later
-calls reuse it until pyproject.toml or constraints.txt change; wheel adds its own extra
-("release") to it the first time it runs.
+calls reuse it until pyproject.toml or constraints.txt change; wheel and docs add their
+own extras ("release", "docs") to it the first time they run.
 """
 
 from __future__ import annotations
@@ -37,14 +38,31 @@ COMMANDS = {
     "fuzz": [["tests/support/fuzz_engine.py"]],
     "fuzz-lightning": [["tests/support/fuzz_lightning.py"]],
     "lint": [
-        ["-m", "ruff", "check", "src", "tests", "examples", "benchmarks", "dev.py"],
+        ["-m", "ruff", "check", "src", "tests", "examples", "benchmarks", "docs", "dev.py"],
         ["-m", "mypy"],
     ],
     "wheel": [["tests/support/check_wheel.py"]],
+    "docs": [
+        # -E: read every page again (an unchanged page would not repeat its warnings);
+        # -W: warnings are errors; --keep-going: report all of them, not just the first.
+        [
+            "-m",
+            "sphinx",
+            "-E",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            "docs",
+            "docs/_build/html",
+        ],
+        ["-m", "pytest", "-q", "tests/docs"],
+    ],
 }
 # The extras each command needs beyond the default ones.
 DEFAULT_EXTRAS = ("lightning", "dev")
-EXTRAS = {"wheel": ("release",)}
+EXTRAS = {"wheel": ("release",), "docs": ("docs",)}
 
 
 def _fingerprint() -> str:
