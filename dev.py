@@ -11,10 +11,13 @@
     python3 dev.py lint    # ruff and mypy
     python3 dev.py compat  # the compat subset on each supported torch x Lightning x Python:
                            # --only 'torch 2.6' (see tools/compat.py), --list
+    python3 dev.py wheel   # build the sdist and wheel, twine check, run two examples from the wheel
+    python3 dev.py docs    # build the docs site strictly into docs/_build/html
 
 The first call creates .venv and installs the project with every pin in constraints.txt,
 so a CPU machine gets the CPU build of torch instead of the multi-GB CUDA wheels. Later
-calls reuse it until pyproject.toml or constraints.txt change.
+calls reuse it until pyproject.toml or constraints.txt change; wheel and docs add their
+own extras ("release", "docs") to it the first time they run.
 """
 
 from __future__ import annotations
@@ -39,10 +42,42 @@ COMMANDS = {
     "fuzz": [["tests/support/fuzz_engine.py"]],
     "fuzz-lightning": [["tests/support/fuzz_lightning.py"]],
     "lint": [
-        ["-m", "ruff", "check", "src", "tests", "examples", "benchmarks", "tools", "dev.py"],
+        [
+            "-m",
+            "ruff",
+            "check",
+            "src",
+            "tests",
+            "examples",
+            "benchmarks",
+            "docs",
+            "tools",
+            "dev.py",
+        ],
         ["-m", "mypy"],
     ],
+    "wheel": [["tests/support/check_wheel.py"]],
+    "docs": [
+        # -E: read every page again (an unchanged page would not repeat its warnings);
+        # -W: warnings are errors; --keep-going: report all of them, not just the first.
+        [
+            "-m",
+            "sphinx",
+            "-E",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            "docs",
+            "docs/_build/html",
+        ],
+        ["-m", "pytest", "-q", "tests/docs"],
+    ],
 }
+# The extras each command needs beyond the default ones.
+DEFAULT_EXTRAS = ("lightning", "dev")
+EXTRAS = {"wheel": ("release",), "docs": ("docs",)}
 
 
 def _fingerprint() -> str:
@@ -52,12 +87,20 @@ def _fingerprint() -> str:
     return digest.hexdigest()
 
 
-def ensure_venv() -> None:
-    """Create .venv and install the project into it, unless it is already current."""
+def ensure_venv(extras: tuple[str, ...] = ()) -> None:
+    """Create .venv and install the project into it, unless it is already current.
+
+    The stamp records the pins' fingerprint and the extras installed: a command that needs
+    another extra adds it, and the extras already there stay.
+    """
     stamp = VENV / ".installed"
     want = _fingerprint()
-    if stamp.exists() and stamp.read_text() == want and PY.exists():
+    lines = stamp.read_text().splitlines() if stamp.exists() else []
+    had = set(lines[1].split(",")) if len(lines) > 1 else set()
+    need = {*DEFAULT_EXTRAS, *extras}
+    if lines[:1] == [want] and need <= had and PY.exists():
         return
+    need |= had
     env = dict(os.environ, PIP_CONSTRAINT=str(CONSTRAINTS), PIP_DISABLE_PIP_VERSION_CHECK="1")
     if not PY.exists():
         made = subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=False)
@@ -70,8 +113,9 @@ def ensure_venv() -> None:
     if has_pip != 0:
         pip = [sys.executable, "-m", "pip", "--python", str(PY)]
     print("dev.py: installing bucketddp and its pinned dependencies into .venv ...", flush=True)
-    subprocess.run([*pip, "install", "-q", "-e", ".[lightning,dev]"], cwd=ROOT, env=env, check=True)
-    stamp.write_text(want)
+    spec = f".[{','.join(sorted(need))}]"
+    subprocess.run([*pip, "install", "-q", "-e", spec], cwd=ROOT, env=env, check=True)
+    stamp.write_text(f"{want}\n{','.join(sorted(need))}\n")
 
 
 def main(argv: list[str]) -> int:
@@ -84,7 +128,7 @@ def main(argv: list[str]) -> int:
     if len(argv) < 1 or argv[0] not in COMMANDS:
         print(__doc__)
         return 2
-    ensure_venv()
+    ensure_venv(EXTRAS.get(argv[0], ()))
     for cmd in COMMANDS[argv[0]]:
         code = subprocess.run([str(PY), *cmd, *argv[1:]], cwd=ROOT).returncode
         if code != 0:

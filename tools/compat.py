@@ -60,7 +60,7 @@ TEST_TOOLS = [
     "torchmetrics>=1.3",
     "click>=8",
     "scikit-learn>=1.3",
-    "setuptools>=68",
+    "setuptools>=77",
 ]
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .fabric import BucketFabricDDP
     from .strategy import BucketDDP
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
     "Bucket",

@@ -91,13 +91,17 @@ class BucketFabricDDP(DDPStrategy):
     ``buffer_sync`` or the module's ``configure_buffer_sync()``) and, with
     ``sync_batchnorm=True``, a SyncBatchNorm that works on CPU.
 
+    The engine options are keywords, as ``BucketDataParallel`` takes them:
+    ``bucket_cap_mb``, ``first_bucket_mb``, ``find_unused_parameters``,
+    ``gradient_as_bucket_view``, ``broadcast_buffers``, ``buffer_sync``,
+    ``default_buffer_policy``, ``static_graph``, ``init_sync``, ``forward_sync_buffers``,
+    ``check_finite``, ``telemetry``, ``watchdog`` and ``stall_timeout``; see
+    ``bucketddp.options.EngineOptions`` for each, and ``docs/reliability.md`` for the last
+    two. ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+    ``precision``, ``process_group_backend``, ``timeout`` and ``start_method`` are as for
+    Fabric's ``DDPStrategy``.
+
     Args:
-        bucket_cap_mb, first_bucket_mb, find_unused_parameters, gradient_as_bucket_view,
-        broadcast_buffers, buffer_sync, default_buffer_policy, static_graph, init_sync,
-        forward_sync_buffers, check_finite, telemetry, watchdog, stall_timeout: the engine
-            options, as ``BucketDataParallel`` takes them; see
-            ``bucketddp.options.EngineOptions`` for each, and ``docs/reliability.md`` for
-            the last two.
         sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm`` in
             ``fabric.setup`` (in place: the model keeps its parameters).
         ddp_comm_hook: a communication hook, ``hook(state, bucket) -> Future``, registered
@@ -109,8 +113,6 @@ class BucketFabricDDP(DDPStrategy):
         model_averaging_period: post-local SGD: average the parameters over all ranks every
             this many optimizer steps once local SGD has started. Required with a
             ``PostLocalSGDState``, refused without one.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
-        process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``.
         checkpoint_source: who reads the file in ``fabric.load``: ``"auto"`` (rank 0 reads
             and sends it when some rank does not see it; else each rank reads its own),
             ``"rank0"`` (always rank 0) or ``"local"`` (each rank). See

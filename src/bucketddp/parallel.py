@@ -58,15 +58,12 @@ class BucketDataParallel(nn.Module, Joinable):
     the gradients after ``backward()`` are the average over ranks, the parameters and
     buffers start from rank 0's values, and ``state_dict()`` keys carry a ``module.``
     prefix. Parameters may be frozen or unfrozen after wrapping, alike on every rank; the
-    reducer follows (see ``docs/frozen-parameters.md``).
+    reducer follows (see ``docs/frozen-parameters.md``). The keywords not listed below are
+    the engine options, torch DDP's and bucketddp's own, described in ``docs/engine.md``.
 
     Args:
         module: the model, already on its device; the same model on every rank.
         process_group: the group to reduce over; the default group if None.
-        bucket_cap_mb, first_bucket_mb, find_unused_parameters, gradient_as_bucket_view,
-        broadcast_buffers, buffer_sync, default_buffer_policy, static_graph, init_sync,
-        forward_sync_buffers, check_finite: the engine options, torch DDP's and bucketddp's
-            own; see ``bucketddp.options.EngineOptions`` for each.
         device_ids: torch DDP's argument, for a module on one accelerator: ``[local_rank]``
             or ``[device]``, naming the module's own device. Tensors in the forward's
             arguments are then moved to it, as torch DDP does. None (the default) or ``[]``

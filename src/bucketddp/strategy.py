@@ -141,13 +141,17 @@ class BucketDDP(DDPStrategy):
     works on CPU. Outside of fit (validate, test, predict) no wrapper is attached and the
     parameters and buffers are broadcast from rank 0, as with ``DDPStrategy``.
 
+    The engine options are keywords, as ``BucketDataParallel`` takes them:
+    ``bucket_cap_mb``, ``first_bucket_mb``, ``find_unused_parameters``,
+    ``gradient_as_bucket_view``, ``broadcast_buffers``, ``buffer_sync``,
+    ``default_buffer_policy``, ``static_graph``, ``init_sync``, ``forward_sync_buffers``,
+    ``check_finite``, ``telemetry``, ``watchdog`` and ``stall_timeout``; see
+    ``bucketddp.options.EngineOptions`` for each, and ``docs/reliability.md`` for the last
+    two. ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+    ``precision_plugin``, ``process_group_backend``, ``timeout`` and ``start_method`` are
+    as for Lightning's ``DDPStrategy``.
+
     Args:
-        bucket_cap_mb, first_bucket_mb, find_unused_parameters, gradient_as_bucket_view,
-        broadcast_buffers, buffer_sync, default_buffer_policy, static_graph, init_sync,
-        forward_sync_buffers, check_finite, telemetry, watchdog, stall_timeout: the engine
-            options, as ``BucketDataParallel`` takes them; see
-            ``bucketddp.options.EngineOptions`` for each, and ``docs/reliability.md`` for
-            the last two.
         sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm`` while
             fitting, as ``Trainer(sync_batchnorm=True)`` does.
         ddp_comm_hook: a communication hook, ``hook(state, bucket) -> Future``, registered
@@ -160,8 +164,6 @@ class BucketDDP(DDPStrategy):
         model_averaging_period: post-local SGD: average the parameters over all ranks every
             this many optimizer steps once local SGD has started, as ``DDPStrategy`` does.
             Required with a ``PostLocalSGDState``, refused without one.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-        process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
         checkpoint_source: who reads ``ckpt_path``: ``"auto"`` (rank 0 reads and sends it
             to the ranks when some rank does not see the file; else each rank reads its
             own), ``"rank0"`` (always rank 0) or ``"local"`` (each rank, as ``"ddp"``).

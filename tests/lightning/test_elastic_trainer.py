@@ -2,8 +2,9 @@
 
 - A Trainer fit of 24 steps (8 an epoch) on 2 workers, rank 1 SIGKILLed once 16 steps are
   done (an epoch boundary, plain DataLoader) and once 11 are (mid-epoch, a plain DataLoader
-  and a StatefulDataLoader), and the same loop under Fabric: each job exits 0 with the weights of the fit that was
-  never interrupted, bit for bit (dropout included), having done at most one step twice,
+  and a StatefulDataLoader), and the same loop under Fabric: each job exits 0 with the
+  weights of the fit that was never interrupted, bit for bit (dropout included), having
+  done at most one step twice,
   written no file but the test's own, and left no snapshot behind.
 - A node lost: two torchrun agents on this machine (``--nnodes=1:2``), one killed with its
   worker mid-epoch; the other goes on at world size 1, every epoch uses every row exactly
