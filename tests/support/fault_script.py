@@ -28,9 +28,16 @@ STEPS = 40
 FAULT_STEP = 5
 
 
+def _write(path: Path, record: dict[str, float]) -> None:
+    """Write ``record`` whole or not at all: the test polls for the file while it runs."""
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps(record))
+    os.replace(part, path)
+
+
 def fault(scenario: str, out: Path) -> None:
     """Rank 1's fault."""
-    (out / "fault.json").write_text(json.dumps({"time": time.time()}))
+    _write(out / "fault.json", {"time": time.time()})
     if scenario == "raise":
         raise ValueError("boom at step 5")
     if scenario == "kill":
@@ -45,7 +52,7 @@ def model() -> nn.Module:
 
 
 def started(rank: int, out: Path) -> None:
-    (out / f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid()}))
+    _write(out / f"rank{rank}.json", {"pid": os.getpid()})
 
 
 def loop(args: argparse.Namespace) -> None:
