@@ -294,7 +294,10 @@ def write_page(rows: dict[Combo, dict[str, str]]) -> None:
         '- **fabric**: `BucketFabricDDP` against Fabric\'s `"ddp"` (save and load included);\n'
         "- **notebook**: examples/notebook.ipynb in a Jupyter kernel.\n\n"
         "`pass`: every test of the area passed; `FAIL`: at least one failed; `skip`: its "
-        "tests skipped themselves on that release.\n\n"
+        "tests skipped themselves on that release. The watchdog area also times how soon "
+        "every rank is gone after the fault (10 s); on a machine busy with other work it "
+        "can miss that, so a FAIL there is worth a second run (`--only`) before a closer "
+        "look.\n\n"
         + table(rows)
         + "\n\nOlder torch: `import bucketddp` refuses torch 2.4, whose autograd engine skips "
         "a hook the reducer needs at the end of a reentrant checkpoint's backward. Python "
