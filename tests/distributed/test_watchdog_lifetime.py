@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,8 +36,9 @@ from store_proxy import HoldingProxy
 WORLD = 3
 
 
-def _regroup(rank: int, world: int, port: int, proxy_port: int) -> None:
-    """Replace run_ranks' group by one whose ranks 1.. reach the store through the proxy."""
+def _regroup(rank: int, world: int, port: int, proxy_port: int, hold_after: str) -> None:
+    """Replace run_ranks' group by one whose ranks 1.. reach the store through the proxy;
+    once it has formed, the proxy holds every new connection (``hold_after`` is made)."""
     dist.destroy_process_group()
     timeout = timedelta(seconds=60)
     if rank == 0:
@@ -44,6 +46,10 @@ def _regroup(rank: int, world: int, port: int, proxy_port: int) -> None:
     else:
         store = dist.TCPStore("127.0.0.1", proxy_port, world, False, timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.barrier()
+    if rank == 0:
+        Path(hold_after).touch()
+    dist.barrier()
 
 
 def _model() -> torch.nn.Module:
@@ -51,8 +57,8 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
-def _train_behind_held_store(rank: int, world: int, port: int, proxy_port: int) -> Any:
-    _regroup(rank, world, port, proxy_port)
+def _train_behind_held_store(rank: int, world: int, *ports_and_flag: Any) -> Any:
+    _regroup(rank, world, *ports_and_flag)
     started = time.monotonic()
     ours = BucketDataParallel(_model())
     built_s = time.monotonic() - started
@@ -69,10 +75,11 @@ def _train_behind_held_store(rank: int, world: int, port: int, proxy_port: int) 
     return built_s, grads, connected
 
 
-def test_wrappers_are_built_while_the_store_holds_new_connections() -> None:
-    port = free_port()
-    with HoldingProxy(port, forward_first=WORLD - 1, hold_s=None) as proxy:
-        results = run_ranks(_train_behind_held_store, WORLD, port, proxy.port, timeout=60)
+def test_wrappers_are_built_while_the_store_holds_new_connections(tmp_path: Path) -> None:
+    port, flag = free_port(), tmp_path / "hold"
+    with HoldingProxy(port, hold_after=flag, hold_s=None) as proxy:
+        args = (port, proxy.port, str(flag))
+        results = run_ranks(_train_behind_held_store, WORLD, *args, timeout=60)
         assert proxy.held == WORLD - 1  # each watchdog of ranks 1.. asked, and waits still
     for rank, (built_s, grads, connected) in enumerate(results):
         # Nothing on the caller's thread waits for the store: the wrapper is built at once.
@@ -82,8 +89,8 @@ def test_wrappers_are_built_while_the_store_holds_new_connections() -> None:
         assert connected == (rank == 0)
 
 
-def _fail_once_connected(rank: int, world: int, port: int, proxy_port: int) -> str:
-    _regroup(rank, world, port, proxy_port)
+def _fail_once_connected(rank: int, world: int, *ports_and_flag: Any) -> str:
+    _regroup(rank, world, *ports_and_flag)
     model = BucketDataParallel(_model())
     model(torch.randn(4, 8)).sum().backward()
     dog = current()
@@ -96,10 +103,11 @@ def _fail_once_connected(rank: int, world: int, port: int, proxy_port: int) -> s
     return raised(lambda: time.sleep(30.0), RankFailedError)
 
 
-def test_a_watchdog_that_connected_late_still_names_a_failure() -> None:
-    port = free_port()
-    with HoldingProxy(port, forward_first=WORLD - 1, hold_s=3.0) as proxy:
-        messages = run_ranks(_fail_once_connected, WORLD, port, proxy.port, timeout=60)
+def test_a_watchdog_that_connected_late_still_names_a_failure(tmp_path: Path) -> None:
+    port, flag = free_port(), tmp_path / "hold"
+    with HoldingProxy(port, hold_after=flag, hold_s=3.0) as proxy:
+        args = (port, proxy.port, str(flag))
+        messages = run_ranks(_fail_once_connected, WORLD, *args, timeout=60)
     assert messages[2] == "posted"
     for rank in (0, 1):
         assert "rank 2" in messages[rank] and "boom on rank 2" in messages[rank], messages[rank]

@@ -1,10 +1,11 @@
 """A TCP proxy in front of a store server that holds up new connections, for the tests.
 
-The ranks other than 0 reach rank 0's TCPStore through it. It forwards the first
-``forward_first`` connections at once (the process group's own clients) and holds every
-later one: accepted, but not forwarded until ``hold_s`` seconds have passed (``None``:
-until the proxy closes). That is what a store's host does while it resolves a new client's
-name on a slow name server, the cause of wrappers that hung in their construction.
+The ranks other than 0 reach rank 0's TCPStore through it. It forwards every connection
+at once until the file ``hold_after`` exists (the ranks create it once their process group
+has formed, however many connections that took), and holds every later one: accepted, but
+not forwarded until ``hold_s`` seconds have passed (``None``: until the proxy closes).
+That is what a store's host does while it resolves a new client's name on a slow name
+server, the cause of wrappers that hung in their construction.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import socket
 import threading
 import time
+from pathlib import Path
 from types import TracebackType
 
 
@@ -28,9 +30,9 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
 class HoldingProxy:
     """Listens on ``port`` (free, loopback) and forwards to ``target_port`` (see module)."""
 
-    def __init__(self, target_port: int, forward_first: int, hold_s: float | None) -> None:
+    def __init__(self, target_port: int, hold_after: Path, hold_s: float | None) -> None:
         self._target = target_port
-        self._forward_first = forward_first
+        self._hold_after = hold_after
         self._hold_s = hold_s
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
@@ -52,7 +54,7 @@ class HoldingProxy:
             conn.settimeout(None)
             self._sockets.append(conn)
             self.accepted += 1
-            hold = self.accepted > self._forward_first
+            hold = self._hold_after.exists()
             self.held += hold
             threading.Thread(target=self._serve, args=(conn, hold), daemon=True).start()
 
