@@ -3,7 +3,7 @@ strategies built on it for the Trainer and for Fabric.
 
 ``import bucketddp`` never imports Lightning: ``BucketDDP`` and ``BucketFabricDDP`` are
 loaded on first access, and the strategy names ("bucket_ddp", ...) are registered with
-Lightning as soon as Lightning itself is imported (see ``_registry.py``).
+Lightning as soon as Lightning itself is imported (see ``lightning/registry.py``).
 """
 
 from __future__ import annotations
@@ -11,17 +11,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import _compat, _registry  # noqa: F401  (_compat first: it refuses an older torch)
+from . import _compat  # noqa: F401  (first: it refuses an older torch)
 from .buckets import Bucket, BucketPlan
 from .checkpoint import broadcast_checkpoint, load_checkpoint
 from .faults import RankFailedError, RankStalledError
+from .lightning import registry as _registry
 from .parallel import BucketDataParallel
 from .reducer import CommStats
 
 if TYPE_CHECKING:
-    from .comm_monitor import CommMonitor
-    from .fabric import BucketFabricDDP
-    from .strategy import BucketDDP
+    from .lightning.comm_monitor import CommMonitor
+    from .lightning.fabric import BucketFabricDDP
+    from .lightning.trainer import BucketDDP
 
 __version__ = "0.1.0"
 
@@ -43,13 +44,17 @@ __all__ = [
 ]
 
 
-_STRATEGIES = {"BucketDDP": "strategy", "BucketFabricDDP": "fabric"}
+_LIGHTNING = {
+    "BucketDDP": "trainer",
+    "BucketFabricDDP": "fabric",
+    "CommMonitor": "comm_monitor",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _STRATEGIES:
+    if name in _LIGHTNING:
         try:
-            module = importlib.import_module(f".{_STRATEGIES[name]}", __name__)
+            module = importlib.import_module(f".lightning.{_LIGHTNING[name]}", __name__)
         except ModuleNotFoundError as err:
             if err.name is None or not err.name.startswith("lightning"):
                 raise
@@ -57,10 +62,6 @@ def __getattr__(name: str) -> Any:
                 f"bucketddp.{name} needs Lightning: pip install 'bucketddp[lightning]'"
             ) from err
         return getattr(module, name)
-    if name == "CommMonitor":
-        from .comm_monitor import CommMonitor
-
-        return CommMonitor
     if name in ("SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"):
         from . import syncbn
 

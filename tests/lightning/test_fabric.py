@@ -150,14 +150,14 @@ def test_bad_options_fail_when_the_strategy_is_built() -> None:
 
 def test_fabric_run_takes_bucket_ddp_through_our_module(tmp_path: Path) -> None:
     # `fabric run` takes its --strategy choices from the registry before bucketddp can
-    # register; `python -m bucketddp.fabric_cli run` is the same command with our names.
+    # register; `python -m bucketddp.lightning.fabric_cli run` is the same command with our names.
     script = str(SUPPORT / "fabric_cli_script.py")
     fabric = str(Path(sys.executable).with_name("fabric"))
     common = ["run", "--accelerator", "cpu", "--devices", "2", "--main-port"]
     saved = {}
     for strategy, cmd in (
         ("ddp", [fabric]),
-        ("bucket_ddp", [sys.executable, "-m", "bucketddp.fabric_cli"]),
+        ("bucket_ddp", [sys.executable, "-m", "bucketddp.lightning.fabric_cli"]),
     ):
         out = tmp_path / f"{strategy}.pt"
         args = [*common, str(free_port()), "--strategy", strategy, script, str(out)]

@@ -157,7 +157,7 @@ def test_sync_batchnorm_uses_our_layer_sync_plugin() -> None:
     from lightning.pytorch.plugins import LayerSync
 
     from bucketddp import BucketDDP
-    from bucketddp.strategy import BucketSyncBatchNorm
+    from bucketddp.lightning.layer_sync import BucketSyncBatchNorm
 
     def layer_sync(**kwargs: Any) -> object:
         trainer = Trainer(accelerator="cpu", devices=2, logger=False, **kwargs)
@@ -214,9 +214,9 @@ IMPORT_CHECKS = {
         from lightning.fabric.strategies import STRATEGY_REGISTRY
         assert "bucket_ddp_fork" in STRATEGY_REGISTRY
     """,
-    "bucketddp.fabric first": """
+    "bucketddp.lightning.fabric first": """
         import sys
-        from bucketddp.fabric import BucketFabricDDP
+        from bucketddp.lightning.fabric import BucketFabricDDP
         from lightning.fabric.strategies import STRATEGY_REGISTRY
         from lightning.pytorch.strategies import StrategyRegistry
         assert STRATEGY_REGISTRY["bucket_ddp"]["strategy"] is BucketFabricDDP

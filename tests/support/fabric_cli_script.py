@@ -1,7 +1,7 @@
 """A Fabric loop for the CLI: ``fabric run`` chooses the strategy; saves rank 0's weights.
 
-    python -m bucketddp.fabric_cli run --accelerator cpu --devices 2 --strategy bucket_ddp \
-        fabric_cli_script.py OUT
+    python -m bucketddp.lightning.fabric_cli run --accelerator cpu --devices 2 \
+        --strategy bucket_ddp fabric_cli_script.py OUT
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ to the Trainer, through the strategy's hooks and one callback:
 - the first training step after a resume puts those back; a fit that ends normally removes
   the job's snapshots.
 
-Like ``strategy.py``, a strategy module: it imports Lightning. The private Lightning name it
+Like ``trainer.py``, it imports Lightning. The private Lightning name it
 uses is ``trainer._checkpoint_connector.dump_checkpoint`` (what ``trainer.save_checkpoint``
 saves, without its barrier).
 """
@@ -30,13 +30,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 
-from .elastic import rng
-from .elastic.job import NOT_UNDER_TORCHRUN, under_torchrun
-from .elastic.loop import load_rank_local, rank_local_buffers
-from .elastic.resume import Restored
-from .elastic.sampler import ElasticSampler
-from .elastic.session import Session
-from .parallel import BucketDataParallel
+from ..elastic import rng
+from ..elastic.job import NOT_UNDER_TORCHRUN, under_torchrun
+from ..elastic.loop import load_rank_local, rank_local_buffers
+from ..elastic.resume import Restored
+from ..elastic.sampler import ElasticSampler
+from ..elastic.session import Session
+from ..parallel import BucketDataParallel
 
 TOKEN = "bucketddp-elastic://newest-snapshot"
 """The ``ckpt_path`` that stands for the agreed snapshot."""

@@ -7,7 +7,7 @@ watchdog (``bucketddp.faults``) ends every rank first, naming the failed one (an
 signal of a child that was killed, which only its parent can see). The launchers here hand
 the children to the watchdog and keep Lightning's kill as a late last resort. This module
 imports ``lightning.fabric`` only, so that Fabric's strategy registry can load it while
-``lightning.pytorch`` is still being imported; ``strategy_launcher.py`` has the Trainer's.
+``lightning.pytorch`` is still being imported; ``trainer_launcher.py`` has the Trainer's.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from lightning.fabric.strategies.launchers.subprocess_script import (
 )
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
-from .faults import adopt_children, current
-from .faults.monitor import GRACE
+from ..faults import adopt_children, current
+from ..faults.monitor import GRACE
 
 # Lightning's kill of the whole job comes only this long after a child failed: by then
 # the watchdog has named the failure and ended this process, unless it is stuck.

@@ -1,5 +1,5 @@
-"""``python -m bucketddp.fabric_cli run --strategy bucket_ddp ...``: Lightning's ``fabric run``
-with bucketddp's strategy names among its choices.
+"""Lightning's ``fabric run`` with bucketddp's strategy names among its choices:
+``python -m bucketddp.lightning.fabric_cli run --strategy bucket_ddp ...``.
 
 Lightning's CLI takes the choices of ``--strategy`` from Fabric's registry when it is
 imported, and nothing imports bucketddp before that, so ``fabric run --strategy bucket_ddp``
@@ -19,7 +19,7 @@ from . import fabric  # noqa: F401  (registers "bucket_ddp" and its twins with F
 def main(argv: list[str] | None = None) -> None:
     """Run Lightning's ``fabric`` command with ``argv`` (the command line if None)."""
     command = next(iter(entry_points(group="console_scripts", name="fabric")))
-    command.load()(args=argv, prog_name="python -m bucketddp.fabric_cli")
+    command.load()(args=argv, prog_name="python -m bucketddp.lightning.fabric_cli")
 
 
 if __name__ == "__main__":

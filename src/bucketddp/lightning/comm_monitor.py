@@ -10,8 +10,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from .parallel import BucketDataParallel
-from .telemetry import CommLog, check_every_n_steps, plan_summary
+from ..parallel import BucketDataParallel
+from ..telemetry import CommLog, check_every_n_steps, plan_summary
 
 
 class CommMonitor(Callback):

@@ -16,9 +16,9 @@ from typing import Any, Literal, Protocol
 
 import torch.distributed as dist
 
-from .elastic.group import init_process_group, uses_agent_store
-from .elastic.session import check_every
-from .options import EngineOptions, check_switches
+from ..elastic.group import init_process_group, uses_agent_store
+from ..elastic.session import check_every
+from ..options import EngineOptions, check_switches
 
 CHECKPOINT_KEY = "bucketddp"
 """The checkpoint entry the strategies add: ``{"bucket_order": [parameter names]}``."""

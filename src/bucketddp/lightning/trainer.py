@@ -14,12 +14,12 @@ while fitting, the LightningModule is wrapped in ``BucketDataParallel`` instead 
   (``bucketddp.checkpoint``);
 - a fit resumed from a checkpoint starts its first epoch where the uninterrupted fit would:
   in that epoch's sample order, where Lightning's loop would replay epoch 0's
-  (``bucketddp.sampler_epoch``);
+  (``bucketddp.lightning.sampler_epoch``);
 - ``sync_batchnorm`` converts BatchNorm layers to ``bucketddp.SyncBatchNorm``, which also
   works on CPU/gloo, and converts them back at teardown.
 
 It is one of the strategy modules, the only ones that import Lightning (with
-``strategy_launcher.py``, ``fabric.py``, ``fabric_launcher.py`` and ``comm_monitor.py``).
+``trainer_launcher.py``, ``fabric.py``, ``fabric_launcher.py`` and ``comm_monitor.py``).
 """
 
 from __future__ import annotations
@@ -44,25 +44,26 @@ from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
-from ._compat import weights_only_kwargs
-from .buffers import Policy
-from .checkpoint import Source, check_source, load_checkpoint, strip_prefix
-from .faults import PROGRESS
-from .faults import current as current_watchdog
-from .faults.progress import CHECKPOINT, COLLECTIVE
-from .options import DEFAULT_STALL_TIMEOUT
-from .parallel import BucketDataParallel
-from .sampler_epoch import SavedLoaders, realign_sampler_epoch
-from .strategy_common import (
+from .._compat import weights_only_kwargs
+from ..buffers import Policy
+from ..checkpoint import Source, check_source, load_checkpoint, strip_prefix
+from ..faults import PROGRESS
+from ..faults import current as current_watchdog
+from ..faults.progress import CHECKPOINT, COLLECTIVE
+from ..options import DEFAULT_STALL_TIMEOUT
+from ..parallel import BucketDataParallel
+from .common import (
     CHECKPOINT_KEY,
     StrategyOptions,
     destroy_at_exit,
     init_restartable_group,
     register_twins,
 )
-from .strategy_elastic import TrainerElastic
-from .strategy_launcher import WatchedProcessLauncher, WatchedScriptLauncher
-from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm, syncbn_layers
+from .layer_sync import TORCH_SYNCBN_REPLACED, BucketSyncBatchNorm
+from .plans import adopt_plan, plan_entry
+from .sampler_epoch import SavedLoaders, realign_sampler_epoch
+from .trainer_elastic import TrainerElastic
+from .trainer_launcher import WatchedProcessLauncher, WatchedScriptLauncher
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
 # release that changes one is found here first:
@@ -71,7 +72,7 @@ from .syncbn import convert_sync_batchnorm, revert_sync_batchnorm, syncbn_layers
 #   ``_layer_sync`` (the SyncBatchNorm plugin the accelerator connector assigns) and
 #   ``_setup_model`` (the hook that wraps the module), all overridden or read below;
 # - ``_configure_launcher`` and ``_SubprocessScriptLauncher`` (replaced by the watched
-#   launcher of ``strategy_launcher.py``, which depends on more);
+#   launcher of ``trainer_launcher.py``, which depends on more);
 # - for ``sampler_epoch.py``: the fit loop's ``_combined_loader`` and ``_data_fetcher``
 #   (its training loaders and the fetcher that made their iterator), and where a
 #   checkpoint keeps the loaders' states (``loops/fit_loop/state_dict/combined_loader``).
@@ -90,46 +91,6 @@ UNUSED_HINT = (
     'Trainer(strategy="bucket_ddp_find_unused_parameters_true")'
 )
 """How the error about parameters without a gradient names the strategy's option."""
-
-TORCH_SYNCBN_REPLACED = (
-    "BucketDDP syncs BatchNorm with bucketddp.SyncBatchNorm (its BucketSyncBatchNorm plugin) "
-    "in place of Lightning's TorchSyncBatchNorm, from Trainer(sync_batchnorm=True) or "
-    "plugins=[TorchSyncBatchNorm()]: torch.nn.SyncBatchNorm refuses CPU tensors in training, "
-    "and bucketddp's layer computes the same statistics and gradients on every backend. "
-    "Pass BucketDDP(sync_batchnorm=True) to ask for it and silence this warning; a LayerSync "
-    "plugin of another class is used as given."
-)
-"""The warning when Lightning's SyncBatchNorm plugin is replaced by ours."""
-
-
-class BucketSyncBatchNorm(LayerSync):
-    """Lightning's LayerSync plugin with ``bucketddp.SyncBatchNorm``: works on every backend.
-
-    ``BucketDDP`` puts it in place of Lightning's ``TorchSyncBatchNorm`` whenever
-    ``Trainer(sync_batchnorm=True)`` or ``BucketDDP(sync_batchnorm=True)`` is set; it can
-    also be passed directly as ``Trainer(plugins=[BucketSyncBatchNorm()])``.
-    """
-
-    @override
-    def apply(self, model: Module) -> Module:
-        """Replace every BatchNorm layer in ``model`` by ``bucketddp.SyncBatchNorm``.
-
-        Warns when the model has none: the option then does nothing.
-        """
-        converted = convert_sync_batchnorm(model)
-        if not syncbn_layers(converted):
-            rank_zero_warn(
-                f"sync_batchnorm=True, but the model ({type(model).__name__}) has no BatchNorm "
-                "layer, so there is nothing to synchronize. Remove sync_batchnorm=True (from "
-                "BucketDDP or the Trainer), or add the BatchNorm layers before fit starts.",
-                category=UserWarning,
-            )
-        return converted
-
-    @override
-    def revert(self, model: Module) -> Module:
-        """Give every converted layer its original BatchNorm class back."""
-        return revert_sync_batchnorm(model)
 
 
 class BucketDDP(DDPStrategy):
@@ -345,7 +306,7 @@ class BucketDDP(DDPStrategy):
         self._learned_plan = None
         entry, self._saved_plan = self._saved_plan, None
         if entry:
-            _adopt_plan(wrapped, entry)
+            adopt_plan(wrapped, entry)
 
     @property
     def _wrapped(self) -> BucketDataParallel | None:
@@ -410,12 +371,12 @@ class BucketDDP(DDPStrategy):
     def plan_entry(self) -> dict[str, Any]:
         """What a checkpoint keeps of the wrapper's bucket plan (order, tuned sizes)."""
         wrapped = self._wrapped
-        return _plan_entry(wrapped) if wrapped is not None else dict(self._learned_plan or {})
+        return plan_entry(wrapped) if wrapped is not None else dict(self._learned_plan or {})
 
     @override
     def on_train_start(self) -> None:
         """A resumed fit: give the training samplers the resumed epoch before its first
-        batch (``bucketddp.sampler_epoch``), so that it is not trained on epoch 0's order."""
+        batch (``sampler_epoch.py``), so that it is not trained on epoch 0's order."""
         saved, self._saved_loaders = self._saved_loaders, SavedLoaders()
         assert self.lightning_module is not None
         if realign_sampler_epoch(self.lightning_module.trainer.fit_loop, saved):
@@ -449,7 +410,7 @@ class BucketDDP(DDPStrategy):
         """Add the learned bucket order (and tuned bucket sizes) under
         ``checkpoint["bucketddp"]`` and save on rank 0."""
         wrapped = self._wrapped
-        entry = _plan_entry(wrapped) if wrapped is not None else self._learned_plan
+        entry = plan_entry(wrapped) if wrapped is not None else self._learned_plan
         if entry:
             checkpoint[CHECKPOINT_KEY] = entry
         with PROGRESS.during(CHECKPOINT, str(filepath)):
@@ -498,7 +459,7 @@ class BucketDDP(DDPStrategy):
         # The loaded "sum" buffers are the agreed totals from here on.
         wrapped.buffers_sync.reset_baseline()
         if entry:
-            _adopt_plan(wrapped, entry)
+            adopt_plan(wrapped, entry)
 
     # -------------------------------------------------------------------- teardown
     @override
@@ -506,7 +467,7 @@ class BucketDDP(DDPStrategy):
         """Unwrap the model and remove the reducer's hooks, so the user's module is plain;
         DDPStrategy's teardown then reverts SyncBatchNorm and moves the model to CPU."""
         if (wrapped := self._wrapped) is not None:
-            self._learned_plan = _plan_entry(wrapped)
+            self._learned_plan = plan_entry(wrapped)
             wrapped.remove_hooks()
             self.model = self.lightning_module
         self._saved_plan = None
@@ -520,33 +481,6 @@ class BucketDDP(DDPStrategy):
         """Register a bucket twin of each DDP name the Trainer registers ("bucket_ddp",
         "bucket_ddp_notebook", "bucket_ddp_spawn_find_unused_parameters_true", ...)."""
         register_twins(cls, strategy_registry, "trainer")
-
-
-def _plan_entry(wrapped: BucketDataParallel) -> dict[str, Any]:
-    """What a checkpoint keeps of the plan: the learned order and tuned bucket sizes."""
-    entry: dict[str, Any] = {}
-    if (order := wrapped.bucket_order) is not None:
-        entry["bucket_order"] = order
-    if (sizes := wrapped.tuned_bucket_sizes) is not None:
-        entry["bucket_sizes"] = list(sizes)
-    return entry
-
-
-def _adopt_plan(wrapped: BucketDataParallel, entry: Mapping[str, Any]) -> None:
-    if (sizes := entry.get("bucket_sizes")) is not None and wrapped.load_bucket_sizes(*sizes):
-        rank_zero_debug(f"BucketDDP: bucket sizes {sizes} from the checkpoint (no tuning)")
-    if (order := entry.get("bucket_order")) is not None:
-        _adopt_bucket_order(wrapped, order)
-
-
-def _adopt_bucket_order(wrapped: BucketDataParallel, order: list[str]) -> None:
-    if wrapped.load_bucket_order(order):
-        rank_zero_debug("BucketDDP: restored the learned bucket order from the checkpoint")
-    else:
-        rank_zero_debug(
-            "BucketDDP: the checkpoint's bucket order names other parameters than the model "
-            "has; the order is learned again in the first backward pass"
-        )
 
 
 BucketDDP.register_strategies(StrategyRegistry)

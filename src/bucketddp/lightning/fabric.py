@@ -15,7 +15,7 @@ What follows from the change lives here too:
 - ``fabric.load`` of a file only rank 0 can see reads it there and sends it to the others
   (``bucketddp.checkpoint``).
 
-Like ``strategy.py``, a strategy module: only those import Lightning.
+Like ``trainer.py``, it imports Lightning (see ``bucketddp.lightning``).
 """
 
 from __future__ import annotations
@@ -40,15 +40,15 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ._compat import weights_only_kwargs
-from .buffers import Policy
-from .checkpoint import Source, check_source, load_checkpoint, strip_prefix
-from .elastic import Elastic
-from .fabric_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
-from .faults import release
-from .options import DEFAULT_STALL_TIMEOUT, EngineOptions
-from .parallel import BucketDataParallel
-from .strategy_common import (
+from .._compat import weights_only_kwargs
+from ..buffers import Policy
+from ..checkpoint import Source, check_source, load_checkpoint, strip_prefix
+from ..elastic import Elastic
+from ..faults import release
+from ..options import DEFAULT_STALL_TIMEOUT, EngineOptions
+from ..parallel import BucketDataParallel
+from ..syncbn import convert_sync_batchnorm
+from .common import (
     CHECKPOINT_KEY,
     StrategyOptions,
     destroy_at_exit,
@@ -56,7 +56,7 @@ from .strategy_common import (
     is_post_local_sgd,
     register_twins,
 )
-from .syncbn import convert_sync_batchnorm
+from .fabric_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
 
 # Private Lightning names this module depends on, listed in one place so that a Lightning
 # release that changes one is found here first:

@@ -13,8 +13,8 @@ from typing import Any
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from ..faults.monitor import GRACE
 from .fabric_launcher import PostsExceptions, launch_watched
-from .faults.monitor import GRACE
 
 
 class WatchedScriptLauncher(_SubprocessScriptLauncher):

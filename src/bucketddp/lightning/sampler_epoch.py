@@ -19,7 +19,7 @@ start. Nothing else changes: the random generators a new iterator draws its seed
 put back as they were.
 
 No Lightning import here; the Lightning names this module reads, and the private ones among
-them, are listed in ``strategy.py``.
+them, are listed in ``trainer.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 is not installed, yet ``Trainer(strategy="bucket_ddp")`` and ``Fabric(strategy="bucket_ddp")``
 must work after ``import bucketddp`` whichever package the user imports first. Each
 Lightning package has its strategy module, which registers the names as it loads:
-``lightning.pytorch`` has ``bucketddp.strategy``, ``lightning.fabric`` has ``bucketddp.fabric``.
+``lightning.pytorch`` has ``bucketddp.lightning.trainer``, ``lightning.fabric`` has
+``bucketddp.lightning.fabric``.
 For each:
 
 - if the Lightning package is already imported, the strategy module is imported now;
@@ -27,8 +28,8 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 
 _STRATEGY_MODULES = {
-    "lightning.pytorch": "bucketddp.strategy",
-    "lightning.fabric": "bucketddp.fabric",
+    "lightning.pytorch": "bucketddp.lightning.trainer",
+    "lightning.fabric": "bucketddp.lightning.fabric",
 }
 """Each Lightning package, and the module of ours that registers our names with it."""
 
