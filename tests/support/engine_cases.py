@@ -1,4 +1,4 @@
-"""The engine against torch DDP on one model: the cases test_engine.py and test_cuda.py share.
+"""The engine against torch DDP: the model cases test_engine_vs_ddp.py and test_cuda.py share.
 
 ``train_both`` trains a model of ``models.py`` with BucketDataParallel and with torch DDP in
 one process group (a ``run_ranks`` target); ``assert_same_as_ddp`` checks what it returned
