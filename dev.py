@@ -4,6 +4,7 @@
     python3 dev.py demo    # train on 2 CPU processes with bucketddp and torch DDP, side by side
     python3 dev.py test    # the test suite
     python3 dev.py bench   # the engine benchmark (bucketddp vs torch DDP vs no communication)
+    python3 dev.py bench-elastic   # elastic snapshots: step-time cost, shared memory, recovery
     python3 dev.py plots   # redraw docs/images: the bucket-size sweep and the overlap timeline
     python3 dev.py fuzz    # the engine fuzzer, outside the suite: --schedules 200, --replay SEED
     python3 dev.py fuzz-lightning   # the strategy fuzzer against "ddp": --schedules 100
@@ -31,6 +32,7 @@ COMMANDS = {
     "demo": [["examples/demo.py"]],
     "test": [["-m", "pytest", "-q"]],
     "bench": [["benchmarks/bench_engine.py"]],
+    "bench-elastic": [["benchmarks/bench_elastic.py"]],
     "plots": [["benchmarks/bench_plots.py"]],
     "fuzz": [["tests/support/fuzz_engine.py"]],
     "fuzz-lightning": [["tests/support/fuzz_lightning.py"]],
