@@ -23,16 +23,15 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import bench_harness  # noqa: F401  (puts tests/support, multirank's folder, on sys.path)
 from bench_stats import median
+from elastic_runs import agent, standalone, start
 from multirank import free_port
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 JOB = HERE / "elastic_job.py"
 RECOVERY_KILL = 12
 """The recovery jobs' victim dies once 12 of their 24 steps are done."""
@@ -61,44 +60,6 @@ PHASES = (
     ("first_step", "first step after the restart"),
 )
 """The milestones after a kill, in order, and what happens before each."""
-
-
-def _one_agent(restarts: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--max-restarts={restarts}",
-    ]
-
-
-def _agent(port: int, host: bool, conf: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1:2",
-        "--nproc-per-node=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id=job{port}",
-        f"--rdzv-conf=is_host={int(host)},last_call_timeout=2{conf}",
-        "--max-restarts=1",
-    ]
-
-
-def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as f:
-        return subprocess.Popen(
-            cmd,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env={**os.environ, **env},
-            start_new_session=True,  # so that a job that hangs can be ended whole
-        )
 
 
 def _wait(procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout: float) -> list[int]:
@@ -131,16 +92,16 @@ def run_job(scenario: str, mode: str, out: Path, shm: Path, timeout: float = 600
         logs = [out / "agent-survivor.log", out / "agent-victim.log"]
         victim = {**env, "ELASTIC_VICTIM": "node"}
         procs = [
-            _start([*_agent(port, True, conf), *job], logs[0], env),  # hosts the rendezvous
-            _start([*_agent(port, False, conf), *job], logs[1], victim),
+            start([*agent(port, host=True, conf=conf), *job], logs[0], env),  # the store's
+            start([*agent(port, host=False, conf=conf), *job], logs[1], victim),
         ]
         codes = _wait(procs, logs, timeout)
         ok = codes == [0, -signal.SIGKILL]
     else:
         logs = [out / "torchrun.log"]
         victim = {"ELASTIC_VICTIM": "rank1"} if scenario == "rank" else {}
-        cmd = [*_one_agent(restarts=0 if scenario == "straight" else 1), *job]
-        codes = _wait([_start(cmd, logs[0], {**env, **victim})], logs, timeout)
+        cmd = [*standalone(restarts=0 if scenario == "straight" else 1), *job]
+        codes = _wait([start(cmd, logs[0], {**env, **victim})], logs, timeout)
         ok = codes == [0]
     if not ok:
         raise RuntimeError(f"the {scenario} job exited {codes}; see {logs[0]}")
