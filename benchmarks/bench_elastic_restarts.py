@@ -219,15 +219,15 @@ def draw(figures: dict[str, Any], image: Path) -> None:
         2, 1, figsize=(8, 4.6), sharex=True, gridspec_kw={"height_ratios": [4, 1]}
     )
     lost_at = figures["node"]["restarts"][0]
-    styles = {
-        "straight": ("uninterrupted, 2 workers", "0.6"),
-        "node": (f"a node lost after step {lost_at}, the other goes on alone", "tab:blue"),
+    styles = {  # the uninterrupted job on top: until the loss, both are the same
+        "node": (f"a node lost after step {lost_at}, the other goes on alone", "tab:blue", 1),
+        "straight": ("uninterrupted, 2 workers", "0.35", 2),
     }
-    for key, (label, color) in styles.items():
+    for key, (label, color, z) in styles.items():
         rows = figures[key]["steps"]
         steps = [r[0] for r in rows]
-        ax.plot(steps, [r[2] for r in rows], color=color, lw=0.9, label=label)
-        ws.step(steps, [r[1] for r in rows], where="post", color=color, lw=1.5)
+        ax.plot(steps, [r[2] for r in rows], color=color, lw=0.9, label=label, zorder=z)
+        ws.step(steps, [r[1] for r in rows], where="post", color=color, lw=1.5, zorder=z)
     for a in (ax, ws):
         a.axvline(lost_at, color="tab:red", ls="--", lw=1)
     ax.annotate(

@@ -92,7 +92,7 @@ def main(mode: str, out: Path, kill: int) -> None:
     event("data")
     model = BucketDataParallel(net)
     event("wrapped")
-    opt = torch.optim.SGD(model.parameters(), lr=0.05 if mode == "picture" else 0.01, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.02 if mode == "picture" else 0.01, momentum=0.9)
     event("optimizer")
     sampler = ElasticSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler, generator=torch.Generator())
