@@ -33,6 +33,7 @@ Usage (``python3 dev.py bench-elastic`` runs this file)::
     python benchmarks/bench_elastic.py --quick       # a smoke run
     python benchmarks/bench_elastic.py --recovery    # only the recovery runs (3 of each)
     python benchmarks/bench_elastic.py --picture     # only the picture
+    python benchmarks/bench_elastic.py --pool a.json b.json   # earlier runs' rounds together
 """
 
 from __future__ import annotations
@@ -204,47 +205,86 @@ def time_snapshots(
 
 
 def summarize(ranks: Sequence[dict[str, Any]], cfg: Config) -> dict[str, Any]:
-    """Per system: step ms (median over rounds of the slowest rank's mean step), CPU ms,
-    snapshot call ms; per elastic system: the per-round ratios to plain."""
-    out: dict[str, Any] = {"systems": {}, "state_bytes": ranks[0]["state_bytes"]}
-    out["state_tensors"] = ranks[0]["state_tensors"]
-    step_ms: dict[str, list[float]] = {}
-    cpu_ms: dict[str, list[float]] = {}
+    """One model's figures (``figures``) from what its ranks returned: per round, a
+    system's step ms is the slowest rank's mean step, its CPU ms the ranks' mean."""
+    rounds: dict[str, dict[str, list[float]]] = {}
     for s in cfg.systems:
-        rounds = [r["per_round"][s] for r in ranks]
-        step_ms[s] = [
-            1000 * max(b["wall"] for b in blocks) / cfg.steps
-            for blocks in zip(*rounds, strict=True)
-        ]
-        cpu_ms[s] = [
-            1000 * sum(b["cpu"] for b in blocks) / len(blocks) / cfg.steps
-            for blocks in zip(*rounds, strict=True)
-        ]
-        calls = [1000 * c for blocks in rounds for b in blocks for c in b["calls"]]
-        out["systems"][s] = {
-            "step_ms": median(step_ms[s]),
-            "round_step_ms": step_ms[s],
-            "cpu_ms": median(cpu_ms[s]),
+        blocks = list(zip(*(r["per_round"][s] for r in ranks), strict=True))
+        rounds[s] = {
+            "round_step_ms": [1000 * max(b["wall"] for b in bs) / cfg.steps for bs in blocks],
+            "round_cpu_ms": [
+                1000 * sum(b["cpu"] for b in bs) / len(bs) / cfg.steps for bs in blocks
+            ],
+            "snapshot_calls_ms": [1000 * c for bs in blocks for b in bs for c in b["calls"]],
+        }
+    state = {key: ranks[0][key] for key in ("state_bytes", "state_tensors", "shm")}
+    return figures(rounds, state, cfg.every)
+
+
+def figures(
+    rounds: dict[str, dict[str, list[float]]], state: dict[str, Any], every: Sequence[int]
+) -> dict[str, Any]:
+    """Per system: step and CPU ms (medians over rounds) and the median snapshot call; per
+    system but plain: the median of the per-round ratios to plain, with 95% intervals.
+    ``rounds`` may pool several runs' rounds, in the same order for every system."""
+    out: dict[str, Any] = {"systems": {}, **state}
+    plain = rounds[PLAIN]
+    for s, r in rounds.items():
+        calls = r["snapshot_calls_ms"]
+        f = out["systems"][s] = {
+            **r,
+            "step_ms": median(r["round_step_ms"]),
+            "cpu_ms": median(r["round_cpu_ms"]),
             "snapshot_call_ms": median(calls) if calls else None,
         }
-    for s in cfg.systems[1:]:
-        ratios = [a / b for a, b in zip(step_ms[s], step_ms[PLAIN], strict=True)]
-        cpu = [a / b for a, b in zip(cpu_ms[s], cpu_ms[PLAIN], strict=True)]
-        ci = bootstrap_ci(ratios)
-        out["systems"][s].update(
-            ratio=median(ratios),
+        if s == PLAIN:
+            continue
+        wall = [a / b for a, b in zip(r["round_step_ms"], plain["round_step_ms"], strict=True)]
+        cpu = [a / b for a, b in zip(r["round_cpu_ms"], plain["round_cpu_ms"], strict=True)]
+        ci = bootstrap_ci(wall)
+        f.update(
+            ratio=median(wall),
             ratio_ci95=list(ci),
-            round_ratios=ratios,
             verdict=verdict(ci),
             cpu_ratio=median(cpu),
             cpu_ratio_ci95=list(bootstrap_ci(cpu)),
         )
-    shm = ranks[0]["shm"]
-    for s, used in shm.items():
-        out["systems"][s]["shm"] = {**used, "x_state": used["allocated"] / out["state_bytes"]}
-    under = [n for n in cfg.every if out["systems"][f"every{n}"]["ratio"] <= TARGET]
+    for s, used in state["shm"].items():
+        out["systems"][s]["shm"] = {**used, "x_state": used["allocated"] / state["state_bytes"]}
+    under = [n for n in every if out["systems"][f"every{n}"]["ratio"] <= TARGET]
     out["every_under_target"] = min(under) if under else None
     return out
+
+
+def pool(reports: Sequence[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], Config]:
+    """``--pool``: every model's rounds of several runs' reports, as one run's figures.
+
+    Raises ValueError, naming the file, for a report of other steps, warm-up or systems.
+    """
+    keys = ("steps", "warmup", "every", "null")
+    first_name, first = reports[0]
+    pooled: dict[str, dict[str, dict[str, list[float]]]] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for name, report in reports:
+        config = report.get("config", {})
+        for key in keys:
+            if config.get(key) != first["config"].get(key):
+                raise ValueError(
+                    f"{name}: {key} is {config.get(key)!r}, but {first['config'].get(key)!r} in "
+                    f"{first_name}; pool only runs made with the same options"
+                )
+        for model, res in report.get("world_size_2", {}).items():
+            state.setdefault(model, {k: res[k] for k in ("state_bytes", "state_tensors")})
+            state[model].setdefault(
+                "shm", {s: f["shm"] for s, f in res["systems"].items() if "shm" in f}
+            )
+            for s, f in res["systems"].items():
+                mine = pooled.setdefault(model, {}).setdefault(s, {})
+                for key in ("round_step_ms", "round_cpu_ms", "snapshot_calls_ms"):
+                    mine.setdefault(key, []).extend(f[key])
+    c = first["config"]
+    cfg = Config(c["rounds"], c["steps"], c["warmup"], tuple(c["every"]), c["null"])
+    return {m: figures(r, state[m], cfg.every) for m, r in pooled.items()}, cfg
 
 
 def print_table(results: dict[str, Any], cfg: Config) -> None:
@@ -287,6 +327,20 @@ def print_table(results: dict[str, Any], cfg: Config) -> None:
 
 
 # ----------------------------------------------------------------- command line
+def pool_main(paths: Sequence[Path]) -> int:
+    """``--pool``: print the table of earlier runs' rounds together."""
+    try:
+        reports = [(str(p), json.loads(p.read_text())) for p in paths]
+        results, cfg = pool(reports)
+    except (OSError, ValueError, KeyError) as err:  # JSONDecodeError is a ValueError
+        print(f"bench_elastic: cannot pool {[str(p) for p in paths]}: {err!r}", file=sys.stderr)
+        return 2
+    loads = [r["meta"].get(k) for _, r in reports for k in ("loadavg_start", "loadavg_end")]
+    print(f"{len(reports)} runs pooled; load averages at their starts and ends: {loads}")
+    print_table(results, cfg)
+    return 0
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line; ``--quick`` fills in small values for the options left unset."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -307,6 +361,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image", type=Path, default=PICTURE)
     p.add_argument("--quick", action="store_true", help="a smoke run: small rounds and steps")
     p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"default: {DEFAULT_JSON}")
+    p.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: pool the rounds of earlier runs' JSON files and print the table",
+    )
     args = p.parse_args(argv)
     for key, (full, quick) in {"rounds": (24, 2), "warmup": (2, 1)}.items():
         if getattr(args, key) is None:
@@ -323,6 +384,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run what the arguments ask for, print the tables and write the JSON."""
     args = parse_args(argv)
+    if args.pool:
+        return pool_main(args.pool)
     cfg = Config(
         args.rounds, args.steps, args.warmup, tuple(args.every), not args.no_null, args.batch_size
     )
