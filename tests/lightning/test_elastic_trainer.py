@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runs import done_twice, same_weights, torchrun
-from lightning_runs import ROOT, SUPPORT
+from elastic_runs import agent, done_twice, same_weights, start, torchrun
+from lightning_runs import SUPPORT
 from multirank import free_port
 
 pytest.importorskip("lightning")
@@ -78,33 +78,8 @@ def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path) -> None
 
 
 def _agent(out: Path, port: int, host: bool, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    conf = f"is_host={int(host)},last_call_timeout=2"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1:2",
-        "--nproc-per-node=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        f"--rdzv-id=job{port}",
-        f"--rdzv-conf={conf}",
-        "--max-restarts=1",
-        "--monitor-interval=0.1",
-        str(SCRIPT),
-        "nodes",
-        str(out),
-        "11",
-    ]
-    log = open(out / f"agent{'A' if host else 'B'}.log", "wb")  # noqa: SIM115
-    return subprocess.Popen(
-        cmd,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-        env={**os.environ, **env},
-        start_new_session=True,
-    )
+    cmd = [*agent(port, host=host), str(SCRIPT), "nodes", str(out), "11"]
+    return start(cmd, out / f"agent{'A' if host else 'B'}.log", env)
 
 
 def test_a_lost_node_leaves_the_rest_training_on_every_row_once(tmp_path: Path, shm: Path) -> None:

@@ -1,17 +1,66 @@
-"""Running torchrun jobs for the elastic tests, and reading what they logged.
+"""Running torchrun jobs for the elastic tests (and bench_elastic.py's commands), and
+reading what they logged.
 
 Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from lightning_runs import run_script
+from lightning_runs import ROOT, run_script
+
+
+def standalone(restarts: int) -> list[str]:
+    """torchrun's command up to the script: one agent, 2 workers, ``restarts`` restarts."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        f"--max-restarts={restarts}",
+        "--monitor-interval=0.1",
+    ]
+
+
+def agent(port: int, *, host: bool, conf: str = "") -> list[str]:
+    """torchrun's command up to the script for one of two agents of one worker each on this
+    machine (``--nnodes=1:2``, a c10d rendezvous on ``port``, which the ``host`` agent
+    serves; one restart). ``conf`` adds rendezvous options (``,key=value...``)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id=job{port}",
+        f"--rdzv-conf=is_host={int(host)},last_call_timeout=2{conf}",
+        "--max-restarts=1",
+        "--monitor-interval=0.1",
+    ]
+
+
+def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in the repository root, in a session of its own (so that the job can
+    be ended whole), with ``env`` added and its output to ``log``."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
 
 
 def torchrun(
@@ -23,17 +72,7 @@ def torchrun(
 ) -> str:
     """Run ``script`` on 2 local workers under torchrun with ``restarts`` restarts; asserts
     that the job exits 0 and never by SIGABRT. Returns its output."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        f"--max-restarts={restarts}",
-        "--monitor-interval=0.1",
-        str(script),
-        *args,
-    ]
+    cmd = [*standalone(restarts), str(script), *args]
     return run_script(cmd, timeout=timeout, env=env)
 
 

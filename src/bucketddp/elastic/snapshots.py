@@ -7,6 +7,10 @@ tensor replaced by its index) and the tensors. Every rank of the node holds the 
 and each copies only its share, straight into a mapped shared-memory file: one copy, split
 over the node's ranks. A background thread then checksums the share and writes the meta
 that makes it count (``files.py``), off the step's critical path.
+
+The deal, and each slot's views of its file (one per tensor, of its dtype and shape), are
+kept from one snapshot to the next while the tensors' shapes and dtypes stay the same:
+then a snapshot is one ``copy_`` per tensor of the share, with no per-tensor slicing.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import io
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checkpoint import TensorMeta, as_bytes, split_tensors
+from ..checkpoint import TensorMeta, split_tensors
 from .files import Part, checksum, map_bytes, remove, write_meta
 from .job import Job
 
@@ -46,6 +51,30 @@ def deal(metas: list[TensorMeta], ways: int) -> tuple[list[int], list[int], list
     return owners, offsets, loads
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The deal of one state's tensors over a node's writers (see ``deal``)."""
+
+    metas: list[TensorMeta]
+    owners: list[int]
+    offsets: list[int]
+    loads: list[int]
+
+    def mine(self, tensors: list[torch.Tensor], writer: int) -> list[torch.Tensor]:
+        """The tensors ``writer`` copies, in index order."""
+        return [t for t, owner in zip(tensors, self.owners, strict=True) if owner == writer]
+
+    def views(self, data: torch.Tensor, writer: int) -> list[torch.Tensor]:
+        """Where ``writer``'s tensors go in its mapped bytes ``data``: a view of each tensor's
+        dtype and shape (every offset is aligned to ``ALIGN`` bytes), in index order."""
+        out = []
+        for meta, owner, offset in zip(self.metas, self.owners, self.offsets, strict=True):
+            if owner == writer:
+                raw = data[offset : offset + meta.nbytes]
+                out.append(raw.view(meta.dtype).view(meta.shape))
+        return out
+
+
 def to_bytes(obj: Any) -> bytes:
     """``obj`` saved with ``torch.save``: a rank's own part (RNG states, ...)."""
     buffer = io.BytesIO()
@@ -61,6 +90,8 @@ class Writer:
         self.job = job
         self.directory = directory
         self._maps: dict[int, torch.Tensor] = {}
+        self._layout: Layout | None = None
+        self._views: dict[int, list[torch.Tensor]] = {}  # slot -> this rank's tensors' places
         self._slot = 0
         self._done = [threading.Event(), threading.Event()]
         for event in self._done:
@@ -80,13 +111,16 @@ class Writer:
         meta_path = part.path(self.directory, "meta")
         remove(meta_path)
         skeleton, tensors, metas = split_tensors(state)
-        owners, offsets, loads = deal(metas, self.job.local_world_size)
+        layout = self._layout_of(metas)
+        owners, offsets, loads = layout.owners, layout.offsets, layout.loads
         me = self.job.local_rank
         data = self._map(slot, part, loads[me])
-        for i, t in enumerate(tensors):
-            if owners[i] == me:
-                n = metas[i].nbytes
-                data[offsets[i] : offsets[i] + n].copy_(as_bytes(t))
+        views = self._views.get(slot)
+        if views is None:
+            views = self._views[slot] = layout.views(data, me)
+        with torch.no_grad():
+            for view, t in zip(views, layout.mine(tensors, me), strict=True):
+                view.copy_(t)
         payload = {
             "format": FORMAT,
             "step": step,
@@ -106,10 +140,18 @@ class Writer:
         self._done[slot].clear()
         self._queue.put(lambda: self._commit(slot, meta_path, data, payload))
 
+    def _layout_of(self, metas: list[TensorMeta]) -> Layout:
+        """The deal of tensors like ``metas``: the last one's if they are alike."""
+        if self._layout is None or self._layout.metas != metas:
+            self._layout = Layout(metas, *deal(metas, self.job.local_world_size))
+            self._views.clear()
+        return self._layout
+
     def _map(self, slot: int, part: Part, nbytes: int) -> torch.Tensor:
         mapped = self._maps.get(slot)
         if mapped is None or mapped.numel() != nbytes:
             self._maps[slot] = mapped = map_bytes(part.path(self.directory, "data"), nbytes)
+            self._views.pop(slot, None)
         return mapped
 
     def _commit(self, slot: int, path: Path, data: torch.Tensor, payload: dict[str, Any]) -> None:
