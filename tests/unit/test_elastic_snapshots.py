@@ -3,17 +3,21 @@
 Two writers of one node (two local ranks, here in one process) each copy their share of
 the same state into a folder; the snapshot read back must equal the state, bit for bit,
 after a step that changes only values (the writers reuse their layout and views) and after
-one that changes shapes and dtypes (they deal the tensors again).
+one that changes shapes and dtypes (they deal the tensors again). A writer whose commits
+run behind never removes its last committed snapshot.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
-from bucketddp.elastic.files import scan
+from bucketddp.elastic import snapshots
+from bucketddp.elastic.files import checksum, scan
 from bucketddp.elastic.job import Job
 from bucketddp.elastic.resume import read
 from bucketddp.elastic.snapshots import Writer
@@ -66,3 +70,39 @@ def test_each_snapshot_reads_back_equal_as_values_and_layouts_change(tmp_path: P
     finally:
         for w in writers:
             w.close()
+
+
+def test_a_writer_behind_keeps_its_last_committed_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The commit thread held (a busy machine) after step 1's commit: step 2's is in flight
+    # when step 3 is taken. A rank killed now must still hold step 1; so take(3) waits for
+    # step 2's commit before it removes step 1's meta, and never leaves the rank with none.
+    release = threading.Event()
+    commits = 0
+
+    def held_checksum(data: torch.Tensor) -> int:
+        nonlocal commits
+        commits += 1
+        if commits > 1:
+            assert release.wait(timeout=30)
+        return checksum(data)
+
+    monkeypatch.setattr(snapshots, "checksum", held_checksum)
+    writer = Writer(Job("run", 0, 0, 0, 1, 0, 1), tmp_path)
+    try:
+        writer.take(1, _state(1))
+        writer.wait()
+        writer.take(2, _state(2))
+        third = threading.Thread(target=writer.take, args=(3, _state(3)))
+        third.start()
+        third.join(timeout=0.5)
+        assert third.is_alive(), "step 3 did not wait for step 2's commit"
+        assert [s.step for s in scan(tmp_path)] == [1]
+        release.set()
+        third.join(timeout=30)
+        writer.wait()
+        assert [s.step for s in scan(tmp_path)] == [3, 2]
+    finally:
+        release.set()
+        writer.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bucketddp.faults.report import failed_message, origins, stall_culprits, stall_message
+from bucketddp.faults.report import cause, failed_message, origins, stall_culprits, stall_message
 
 
 def _report(rank: int, step: int, waiting: bool, detail: str = "x") -> dict[str, Any]:
@@ -64,3 +64,9 @@ def test_a_failure_names_the_first_rank_not_those_that_failed_because_of_it() ->
         failed_message(1, [killed])
     )
     assert "traceback" not in failed_message(1, [killed])
+
+
+def test_a_lost_store_names_its_host_rank0_or_torchruns_agent() -> None:
+    assert "rank 0 hosts the rendezvous store" in cause({"rank": 0, "kind": "unreachable"})
+    agent = cause({"rank": 0, "kind": "unreachable", "agent": True})
+    assert "torchrun's agent on the first node hosts" in agent and "rank 0" not in agent

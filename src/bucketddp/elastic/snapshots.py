@@ -6,7 +6,9 @@ tensor replaced by its index) and the tensors. Every rank of the node holds the 
 (data parallelism), so the tensors are dealt among them, largest first to the least loaded,
 and each copies only its share, straight into a mapped shared-memory file: one copy, split
 over the node's ranks. A background thread then checksums the share and writes the meta
-that makes it count (``files.py``), off the step's critical path.
+that makes it count (``files.py``), off the step's critical path. At most one commit is in
+flight: the next snapshot waits for it before it removes the older slot's meta, so a rank
+killed at any moment holds its last committed snapshot.
 
 The deal, and each slot's views of its file (one per tensor, of its dtype and shape), are
 kept from one snapshot to the next while the tensors' shapes and dtypes stay the same:
@@ -106,7 +108,9 @@ class Writer:
         """Snapshot ``state`` as of ``step``; ``own`` is this rank's own part (not shared)."""
         slot = self._slot
         self._slot ^= 1
-        self._done[slot].wait()  # that slot's last commit must be finished before reuse
+        # Every earlier commit must be finished before this slot's meta goes: else, with the
+        # thread a step behind, a rank killed now would hold no snapshot at all.
+        self.wait()
         part = Part(self.job.attempt, self.job.node, self.job.local_rank, slot)
         meta_path = part.path(self.directory, "meta")
         remove(meta_path)

@@ -415,7 +415,9 @@ class Watchdog:
 
 
 def _unreachable() -> dict[str, Any]:
-    return {"rank": 0, "kind": "unreachable"}
+    # Under torchrun the workers' store is its agent's (on the first node), not rank 0's.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return {"rank": 0, "kind": "unreachable", "agent": agent}
 
 
 def _store_lost(exc: BaseException) -> bool:

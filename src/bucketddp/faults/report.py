@@ -44,6 +44,11 @@ def cause(record: dict[str, Any]) -> str:
             f"{who(record)} was killed by signal {record['signal']}{where(record)} "
             f"(seen by its parent process, rank {record['seen_by']})"
         )
+    if kind == "unreachable" and record.get("agent"):
+        return (
+            "the rendezvous store, which torchrun's agent on the first node hosts, stopped "
+            "answering: that agent likely stopped (its node lost) or is ending the workers"
+        )
     if kind == "unreachable":
         return (
             f"rank {record['rank']} hosts the rendezvous store, which stopped answering: "
