@@ -61,6 +61,7 @@ from bench_harness import (
     LR,
     MOMENTUM,
     RANKS_TIMEOUT,
+    add_run_options,
     loadavg,
     make_batches,
     round_order,
@@ -359,14 +360,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recovery-runs", type=int, default=3)
     p.add_argument("--picture", action="store_true", help=f"only draw {PICTURE.name}")
     p.add_argument("--image", type=Path, default=PICTURE)
-    p.add_argument("--quick", action="store_true", help="a smoke run: small rounds and steps")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"default: {DEFAULT_JSON}")
-    p.add_argument(
-        "--pool",
-        type=Path,
-        nargs="+",
-        metavar="JSON",
-        help="run nothing: pool the rounds of earlier runs' JSON files and print the table",
+    add_run_options(
+        p, DEFAULT_JSON, "pool the rounds of earlier runs' JSON files and print the table"
     )
     args = p.parse_args(argv)
     for key, (full, quick) in {"rounds": (24, 2), "warmup": (2, 1)}.items():

@@ -58,6 +58,7 @@ from bench_harness import (
     SYSTEMS,
     Config,
     Variant,
+    add_run_options,
     loadavg,
     parse_variant,
     run_meta,
@@ -193,14 +194,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="fresh process pairs per system and model for peak memory; the median is "
         "reported (default 3; quick 1)",
     )
-    p.add_argument("--quick", action="store_true", help="a smoke run: small rounds and steps")
-    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"default: {DEFAULT_JSON}")
-    p.add_argument(
-        "--pool",
-        type=Path,
-        nargs="+",
-        metavar="JSON",
-        help="run nothing: pool the round ratios of earlier runs' JSON files and print them",
+    add_run_options(
+        p, DEFAULT_JSON, "pool the round ratios of earlier runs' JSON files and print them"
     )
     args = p.parse_args(argv)
     if args.overheads:

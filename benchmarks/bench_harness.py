@@ -12,6 +12,7 @@ bench_syncbn.py, bench_lightning.py and bench_plots.py reuse ``train_steps``, ``
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import os
@@ -84,6 +85,13 @@ class Config:
     variants: tuple[Variant, ...] = ()
     """bucketddp systems with engine options of their own (``--variant``), timed beside
     the others and compared with ``bucketddp``."""
+
+
+def add_run_options(p: argparse.ArgumentParser, default_json: Path, pool_help: str) -> None:
+    """The options every benchmark takes: ``--quick``, ``--json`` and ``--pool``."""
+    p.add_argument("--quick", action="store_true", help="a smoke run: small rounds and steps")
+    p.add_argument("--json", type=Path, default=default_json, help=f"default: {default_json}")
+    p.add_argument("--pool", type=Path, nargs="+", metavar="JSON", help=f"run nothing: {pool_help}")
 
 
 def parse_variant(text: str) -> Variant:
