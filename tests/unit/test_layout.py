@@ -1,4 +1,5 @@
-"""The package's shape: module and class sizes, and an import graph without cycles.
+"""The package's shape: module and class sizes, and an import graph without cycles; and
+the test files' sizes.
 
 The reducer's core is meant to be read in one sitting, and features plug in around it;
 these checks keep that from eroding one change at a time.
@@ -56,6 +57,16 @@ def test_no_module_over_500_lines_and_no_class_over_400() -> None:
                 if lines > 400:
                     too_long.append(f"class {name}.{node.name}: {lines} lines")
     assert not too_long
+
+
+def test_no_test_file_over_600_lines() -> None:
+    tests = Path(__file__).resolve().parents[1]
+    too_long = {
+        str(p.relative_to(tests)): n
+        for p in tests.rglob("test_*.py")
+        if (n := p.read_text().count("\n")) > 600
+    }
+    assert not too_long, f"split these by concern: {too_long}"
 
 
 def test_the_reducer_core_reads_in_one_sitting() -> None:
