@@ -161,7 +161,13 @@ def test_fabric_run_takes_bucket_ddp_through_our_module(tmp_path: Path) -> None:
     ):
         out = tmp_path / f"{strategy}.pt"
         args = [*common, str(free_port()), "--strategy", strategy, script, str(out)]
-        run_script([*cmd, *args], timeout=180)
+        if strategy == "ddp":
+            # The reference: only its weights count. Its ranks can abort at exit under torch
+            # 2.15 ("terminate called", seen once in a full suite), after saving them.
+            done = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=180)
+            assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+        else:
+            run_script([*cmd, *args], timeout=180)  # exits 0, never by SIGABRT
         saved[strategy] = torch.load(out, weights_only=False)
     assert saved["bucket_ddp"]["strategy"] == "BucketFabricDDP"
     assert saved["ddp"]["strategy"] == "DDPStrategy"
