@@ -66,10 +66,26 @@ class HoldingProxy:
                     break
             if self._closed.is_set():
                 return
-        upstream = socket.create_connection(("127.0.0.1", self._target))
+        upstream = self._connect_upstream()
+        if upstream is None:
+            conn.close()
+            return
         self._sockets.append(upstream)
         threading.Thread(target=_pump, args=(upstream, conn), daemon=True).start()
         _pump(conn, upstream)
+
+    def _connect_upstream(self) -> socket.socket | None:
+        # A rank may reach the proxy before rank 0's store listens: keep trying, as a store
+        # client does, until the store answers or the proxy closes.
+        while not self._closed.is_set():
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self._target), timeout=5)
+            except OSError:
+                self._closed.wait(0.05)
+                continue
+            upstream.settimeout(None)
+            return upstream
+        return None
 
     def close(self) -> None:
         """Stop accepting and drop every connection."""
