@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import _compat  # noqa: F401  (first: it refuses an older torch)
+from . import clean_exit as _clean_exit
 from .buckets import Bucket, BucketPlan
 from .checkpoint import broadcast_checkpoint, load_checkpoint
 from .faults import RankFailedError, RankStalledError
@@ -70,3 +71,4 @@ def __getattr__(name: str) -> Any:
 
 
 _registry.install()
+_clean_exit.install()

@@ -1,0 +1,42 @@
+"""A script whose gloo worker runs Python as the interpreter shuts down.
+
+    python exit_callback.py PORT none|bucketddp [STARTED_FILE]
+
+One process, a gloo group of one. The script's last collective gets a ``then`` callback
+(as bucketddp's step clock and torch's comm hooks add) that is still running, with the GIL
+released, when the main thread reaches the end of the script. Without bucketddp's exit
+handler the worker asks for the GIL during interpreter shutdown and the process ends by
+SIGABRT ("terminate called without an active exception"); with ``bucketddp`` imported it
+exits 0. The callback writes a file when it starts, so the main thread ends only once the
+worker is inside Python: the order is an event, not a guess.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+if sys.argv[2] == "bucketddp":
+    import bucketddp  # noqa: F401  (its exit handler is the thing under test)
+
+started = Path(sys.argv[3] if len(sys.argv) > 3 else f"/tmp/exit-callback-{os.getpid()}")
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+tensor = torch.ones(4)
+
+
+def callback(future: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
+    started.touch()
+    time.sleep(0.5)  # the GIL is released: the main thread goes on to shut down
+    return future.value()
+
+
+chained = dist.all_reduce(tensor, async_op=True).get_future().then(callback)
+while not started.exists():
+    time.sleep(0.001)
+started.unlink()
