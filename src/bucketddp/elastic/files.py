@@ -123,11 +123,16 @@ def decode_meta(raw: bytes, key: bytes) -> dict[str, Any]:
         raw[len(MAGIC) : head], hmac.new(key, body, hashlib.sha256).digest()
     ):
         raise BadMeta("its tag does not check: this job did not write it")
-    size = int.from_bytes(body[:4], "little")
     try:
-        header = json.loads(body[4 : 4 + size])
-    except ValueError as e:
-        raise BadMeta(f"its header does not parse: {e}") from None
+        return _parse(body)
+    except (TypeError, ValueError, KeyError) as e:  # BadMeta is a ValueError
+        raise BadMeta(str(e)) from None
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    """The fields of an authenticated meta's body, each checked."""
+    size = int.from_bytes(body[:4], "little")
+    header = json.loads(body[4 : 4 + size])
     if not isinstance(header, dict):
         raise BadMeta("its header is not a JSON object")
     for field in _INTS.split():

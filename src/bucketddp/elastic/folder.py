@@ -172,3 +172,6 @@ class Folder:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def __del__(self) -> None:
+        self.close()
