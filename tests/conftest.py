@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +33,14 @@ _COMPAT_REPORT = os.environ.get("BUCKETDDP_COMPAT_REPORT")
 _ONLY_AREAS = {a for a in os.environ.get("BUCKETDDP_COMPAT_AREAS", "").split(",") if a}
 _AREAS: dict[str, str] = {}
 _OUTCOMES: dict[str, str] = {}
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A folder in /dev/shm (not made yet) for a test's snapshots, removed after the test."""
+    path = Path("/dev/shm") / f"bucketddp-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -56,7 +56,7 @@ def _write_then_restore(rank: int, world: int) -> dict[str, Any]:
     session._writer.wait()  # type: ignore[union-attr]
     dist.barrier()
     folder = session.job.directory()
-    out["complete"] = [s.step for s in scan(folder)]
+    out["complete"] = [s.step for s in scan(*session._open())]
     out["files"] = sorted(p.name for p in folder.iterdir())
     if rank == 0:  # garble one share of step 5's data: that snapshot must be refused
         data = next(p for p in folder.glob("a0.n0.l1.*.data") if "s0" in p.name)
@@ -67,7 +67,7 @@ def _write_then_restore(rank: int, world: int) -> dict[str, Any]:
     restored = _restart().restore()
     assert restored is not None
     out["restored"] = (restored.step, _same(restored.state, _state(4)), restored.own)
-    out["kept"] = [s.step for s in scan(folder)]  # the one resumed from, no more
+    out["kept"] = [s.step for s in scan(*session._open())]  # the one resumed from, no more
     dist.barrier()
     if rank == 0:  # cut the meta of the snapshot left: nothing usable remains
         for meta in folder.glob("*.meta"):
@@ -89,7 +89,7 @@ def test_two_snapshots_kept_and_a_bad_one_never_loaded(tmp_path: Path) -> None:
         for rank in (0, 1)
         for slot in (0, 1)
         for kind in ("data", "meta")
-    ]
+    ] + ["key"]
     # Step 5's shares fail the checksum: every rank falls back to step 4, the state and its
     # own part; once no meta is whole, there is nothing to resume from.
     assert r0["restored"] == (4, True, {"rank": 0, "step": 4})
@@ -113,4 +113,5 @@ def test_two_jobs_on_one_node_never_mix(tmp_path: Path) -> None:
     env = _env(tmp_path, "unused")
     assert run_ranks(_one_job, 2, "job-a", 1.0, env=env) == [1.0, 1.0]
     assert run_ranks(_one_job, 2, "job-b", 2.0, env=env) == [2.0, 2.0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bucketddp-job-a", "bucketddp-job-b"]
+    parent = tmp_path / f"bucketddp-{os.geteuid()}"
+    assert sorted(p.name for p in parent.iterdir()) == ["job-a", "job-b"]

@@ -15,13 +15,10 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,13 +31,6 @@ from multirank import free_port
 pytest.importorskip("lightning")
 
 SCRIPT = SUPPORT / "elastic_lightning.py"
-
-
-@pytest.fixture
-def shm() -> Iterator[Path]:
-    path = Path("/dev/shm") / f"bucketddp-test-{uuid.uuid4().hex[:8]}"
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path) -> None:

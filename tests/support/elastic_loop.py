@@ -3,7 +3,9 @@
 Three epochs of 8 steps on 2 ranks (a shuffled ElasticSampler). In attempt 0, rank 1 kills
 itself (SIGKILL) when ``kill`` steps are done; torchrun restarts both workers and the loop
 resumes from the newest snapshot. Each rank logs every step it completes (and the attempt)
-to ``<out>/steps.rank<R>``; rank 0 saves the final weights to ``<out>/final.pt``.
+to ``<out>/steps.rank<R>``; rank 0 saves the final weights to ``<out>/final.pt``. Under
+``ELASTIC_PLANT=1`` the job runs with umask 0, and rank 0 plants files in its snapshot
+folder and records its modes (``elastic_planted.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
+import elastic_planted
 from bucketddp import BucketDataParallel
 from bucketddp.elastic import Elastic, ElasticSampler, init_process_group
 
@@ -30,6 +33,9 @@ def dataset() -> TensorDataset:
 
 def main(out: str, kill: int) -> None:
     torch.set_num_threads(1)
+    plant = os.environ.get("ELASTIC_PLANT") == "1"
+    if plant:
+        os.umask(0)
     init_process_group("gloo")
     rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     torch.manual_seed(0)
@@ -55,6 +61,8 @@ def main(out: str, kill: int) -> None:
                 opt.zero_grad()
                 print(f"step {job.steps + 1} attempt {attempt}", file=log, flush=True)
                 job.step()
+                if plant and rank == 0:
+                    elastic_planted.after_step(job, out, attempt)
             state["epoch"] += 1
     job.finish()
     if rank == 0:

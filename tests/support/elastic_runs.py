@@ -17,13 +17,22 @@ import torch
 from lightning_runs import ROOT, run_script
 
 
-def standalone(restarts: int) -> list[str]:
-    """torchrun's command up to the script: one agent, 2 workers, ``restarts`` restarts."""
+def standalone(restarts: int, run_id: str | None = None) -> list[str]:
+    """torchrun's command up to the script: one agent, 2 workers, ``restarts`` restarts;
+    the run id ``run_id`` if given (else a random one, as ``--standalone`` draws)."""
+    one_node = ["--standalone"]
+    if run_id is not None:
+        one_node = [
+            "--nnodes=1",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=localhost:0",
+            f"--rdzv-id={run_id}",
+        ]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *one_node,
         "--nproc-per-node=2",
         f"--max-restarts={restarts}",
         "--monitor-interval=0.1",

@@ -18,6 +18,7 @@ import torch
 
 from bucketddp.elastic import snapshots
 from bucketddp.elastic.files import checksum, scan
+from bucketddp.elastic.folder import Folder
 from bucketddp.elastic.job import Job
 from bucketddp.elastic.resume import read
 from bucketddp.elastic.snapshots import Writer
@@ -39,6 +40,9 @@ def _state(seed: int, wide: bool = False) -> dict[str, Any]:
     }
 
 
+KEY = bytes(range(32))
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return (
@@ -53,7 +57,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def test_each_snapshot_reads_back_equal_as_values_and_layouts_change(tmp_path: Path) -> None:
-    writers = [Writer(Job("run", 0, 0, rank, 2, rank, 2), tmp_path) for rank in range(2)]
+    folder = Folder.open(tmp_path / "snapshots")
+    writers = [Writer(Job("run", 0, 0, rank, 2, rank, 2), folder, KEY) for rank in range(2)]
     try:
         states = [_state(1), _state(2), _state(3, wide=True), _state(4, wide=True)]
         for step, state in enumerate(states, start=1):
@@ -61,9 +66,9 @@ def test_each_snapshot_reads_back_equal_as_values_and_layouts_change(tmp_path: P
                 w.take(step, state, own={"rank": w.job.rank})
             for w in writers:
                 w.wait()
-            newest = scan(tmp_path)[0]
+            newest = scan(folder, KEY)[0]
             assert newest.step == step
-            got, owns = read(newest)
+            got, owns = read(folder, newest)
             assert _same(state, got), f"step {step}"
             assert got["tied"] is got["weight"]
             assert sorted(owns) == [0, 1]
@@ -89,7 +94,8 @@ def test_a_writer_behind_keeps_its_last_committed_snapshot(
         return checksum(data)
 
     monkeypatch.setattr(snapshots, "checksum", held_checksum)
-    writer = Writer(Job("run", 0, 0, 0, 1, 0, 1), tmp_path)
+    folder = Folder.open(tmp_path / "snapshots")
+    writer = Writer(Job("run", 0, 0, 0, 1, 0, 1), folder, KEY)
     try:
         writer.take(1, _state(1))
         writer.wait()
@@ -98,11 +104,11 @@ def test_a_writer_behind_keeps_its_last_committed_snapshot(
         third.start()
         third.join(timeout=0.5)
         assert third.is_alive(), "step 3 did not wait for step 2's commit"
-        assert [s.step for s in scan(tmp_path)] == [1]
+        assert [s.step for s in scan(folder, KEY)] == [1]
         release.set()
         third.join(timeout=30)
         writer.wait()
-        assert [s.step for s in scan(tmp_path)] == [3, 2]
+        assert [s.step for s in scan(folder, KEY)] == [3, 2]
     finally:
         release.set()
         writer.close()

@@ -5,32 +5,52 @@ tensors (see ``snapshots.py``). Rank ``l`` of node ``n`` in attempt ``a`` writes
 per slot ``k`` (two slots, taken in turn, so the last complete snapshot survives a write
 that dies half way):
 
-- ``a{a}.n{n}.l{l}.s{k}.data``: its share of the tensors' bytes, a shared-memory file
+- ``a{a}.n{n}.l{l}.s{k}.data``: its share of the tensors' raw bytes, a shared-memory file
   mapped as a byte tensor and kept mapped from one snapshot to the next;
-- ``a{a}.n{n}.l{l}.s{k}.meta``: what the bytes are (step, layout, checksum, the skeleton of
-  the state and this rank's own part), written last, through a rename.
+- ``a{a}.n{n}.l{l}.s{k}.meta``: what the bytes are, written last, through a rename.
+
+A meta is ``MAGIC``, an HMAC-SHA256 tag under the job's key (``secret.py``) of all that
+follows, the length of a JSON header, the header (step, ranks, each tensor's dtype, shape
+and place, the data's checksum) and the sections it lists: the skeleton of the state and
+this rank's own part, both pickled. A meta is read only from a checked private folder
+(``folder.py``), and its tag is checked before anything in it is parsed: a file this job
+did not write is never unpickled. One that fails the tag, or is cut, or lacks a field, is
+skipped with a warning naming it.
 
 A writer removes its meta before it overwrites the data, so a meta always describes the
 bytes beside it. A node's snapshot of step ``s`` is complete when every rank of the node
-has a meta of step ``s``. A meta that fails its magic or CRC is ignored.
+has a meta of step ``s``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import pickle
+import hashlib
+import hmac
+import json
+import logging
 import re
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-MAGIC = b"BDDPSNAP1\n"
+from ..checkpoint import TensorMeta
+from .folder import Folder
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"BDDPSNAP2\n"
+_TAG = 32  # bytes of an HMAC-SHA256
 _NAME = re.compile(r"^a(\d+)\.n(\d+)\.l(\d+)\.s(\d)\.meta$")
+_INTS = "format step attempt node local_rank local_world_size rank world_size nbytes checksum"
+_INT_LISTS = ("owners", "offsets")
+_SECTIONS = ("skeleton", "own")
+_warned: set[tuple[str, str]] = set()
+
+
+class BadMeta(ValueError):
+    """A meta file that is not one this job wrote whole."""
 
 
 @dataclass(frozen=True)
@@ -42,51 +62,117 @@ class Part:
     local_rank: int
     slot: int
 
-    def path(self, directory: Path, suffix: str) -> Path:
-        """The part's ``.data`` or ``.meta`` file in ``directory``."""
-        stem = f"a{self.attempt}.n{self.node}.l{self.local_rank}.s{self.slot}"
-        return directory / f"{stem}.{suffix}"
+    def name(self, suffix: str) -> str:
+        """The part's ``.data`` or ``.meta`` file name."""
+        return f"a{self.attempt}.n{self.node}.l{self.local_rank}.s{self.slot}.{suffix}"
 
 
-def write_meta(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` to ``path`` whole or not at all (a temporary file, then a rename)."""
-    body = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(MAGIC + zlib.crc32(body).to_bytes(4, "little") + body)
-    os.replace(tmp, path)
+def data_name(meta_name: str) -> str:
+    """The data file beside meta ``meta_name``."""
+    return meta_name.removesuffix(".meta") + ".data"
 
 
-def read_meta(path: Path) -> dict[str, Any] | None:
-    """The payload ``write_meta`` wrote, or None if the file is missing, cut or garbled."""
-    try:
-        raw = path.read_bytes()
-    except OSError:
-        return None
-    head = len(MAGIC) + 4
-    if len(raw) < head or not raw.startswith(MAGIC):
-        return None
+def encode_meta(payload: dict[str, Any], key: bytes) -> bytes:
+    """The bytes of a meta holding ``payload`` (the fields ``decode_meta`` checks)."""
+    header = {k: v for k, v in payload.items() if k not in _SECTIONS and k != "metas"}
+    header["metas"] = [
+        [str(m.dtype), list(m.shape), m.parameter, m.requires_grad]
+        for m in payload.get("metas", [])
+    ]
+    sections = [payload[k] for k in _SECTIONS if k in payload]
+    header["sections"] = [[k, len(payload[k])] for k in _SECTIONS if k in payload]
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = len(head).to_bytes(4, "little") + head + b"".join(sections)
+    return MAGIC + hmac.new(key, body, hashlib.sha256).digest() + body
+
+
+def _dtype(name: object) -> torch.dtype:
+    found = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    if not isinstance(found, torch.dtype):
+        raise BadMeta(f"unknown dtype {name!r}")
+    return found
+
+
+def _tensor_meta(entry: object) -> TensorMeta:
+    if not isinstance(entry, list) or len(entry) != 4:
+        raise BadMeta(f"a tensor entry is {entry!r}")
+    dtype, shape, parameter, requires_grad = entry
+    if (
+        not _int_list(shape)
+        or not isinstance(parameter, bool)
+        or not isinstance(requires_grad, bool)
+    ):
+        raise BadMeta(f"a tensor entry is {entry!r}")
+    return TensorMeta(_dtype(dtype), tuple(shape), parameter, requires_grad)
+
+
+def _int_list(value: object) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
+def decode_meta(raw: bytes, key: bytes) -> dict[str, Any]:
+    """The payload of a meta ``encode_meta`` wrote with ``key``; ``BadMeta`` for anything
+    else. The tag is checked before any of the rest is parsed."""
+    head = len(MAGIC) + _TAG
+    if not raw.startswith(MAGIC):
+        raise BadMeta("not a snapshot meta of this version")
+    if len(raw) < head + 4:
+        raise BadMeta("it is cut short")
     body = raw[head:]
-    if zlib.crc32(body).to_bytes(4, "little") != raw[len(MAGIC) : head]:
-        return None
+    if not hmac.compare_digest(
+        raw[len(MAGIC) : head], hmac.new(key, body, hashlib.sha256).digest()
+    ):
+        raise BadMeta("its tag does not check: this job did not write it")
     try:
-        payload = pickle.loads(body)
-    except Exception:
+        return _parse(body)
+    except (TypeError, ValueError, KeyError) as e:  # BadMeta is a ValueError
+        raise BadMeta(str(e)) from None
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    """The fields of an authenticated meta's body, each checked."""
+    size = int.from_bytes(body[:4], "little")
+    header = json.loads(body[4 : 4 + size])
+    if not isinstance(header, dict):
+        raise BadMeta("its header is not a JSON object")
+    for field in _INTS.split():
+        if type(header.get(field)) is not int:
+            raise BadMeta(f"field {field!r} is missing or not an integer")
+    for field in _INT_LISTS:
+        if not _int_list(header.get(field)):
+            raise BadMeta(f"field {field!r} is missing or not a list of integers")
+    if not isinstance(header.get("metas"), list):
+        raise BadMeta("field 'metas' is missing or not a list")
+    header["metas"] = [_tensor_meta(e) for e in header["metas"]]
+    lengths = dict(header.pop("sections", None) or [])
+    at = 4 + size
+    for name in _SECTIONS:
+        n = lengths.get(name)
+        if type(n) is not int or n < 0 or at + n > len(body):
+            raise BadMeta(f"section {name!r} is missing or cut")
+        header[name] = body[at : at + n]
+        at += n
+    return header
+
+
+def write_meta(folder: Folder, name: str, payload: dict[str, Any], key: bytes) -> None:
+    """Write meta ``name`` whole or not at all."""
+    folder.write(name, encode_meta(payload, key))
+
+
+def read_meta(folder: Folder, name: str, key: bytes) -> dict[str, Any] | None:
+    """The payload of meta ``name``, or None (with one warning per file and reason) if it
+    is missing, cut, fails its tag, or lacks a field."""
+    try:
+        return decode_meta(folder.read(name), key)
+    except FileNotFoundError:
         return None
-    return payload if isinstance(payload, dict) else None
-
-
-def remove(path: Path) -> None:
-    """Remove ``path`` if it exists."""
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-
-
-def map_bytes(path: Path, nbytes: int) -> torch.Tensor:
-    """``path`` (created or resized to ``nbytes``) mapped as a shared uint8 tensor."""
-    with open(path, "ab") as f:
-        f.truncate(nbytes)
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    except (OSError, BadMeta) as e:
+        where = str(folder.path / name)
+        if (where, str(e)) not in _warned:
+            _warned.add((where, str(e)))
+            log.warning("bucketddp: skipping snapshot meta %s: %s", where, e)
+        return None
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -101,7 +187,7 @@ class Snapshot:
     attempt: int
     node: int
     step: int
-    metas: dict[int, dict[str, Any]]  # local rank -> its meta
+    metas: dict[int, dict[str, Any]]  # local rank -> its meta (and its file's "name")
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -109,19 +195,21 @@ class Snapshot:
         return (self.step, self.attempt, self.node)
 
 
-def scan(directory: Path) -> list[Snapshot]:
-    """The complete snapshots in ``directory``, newest first."""
+def scan(folder: Folder, key: bytes) -> list[Snapshot]:
+    """The complete snapshots in ``folder``, newest first."""
     found: dict[tuple[int, int, int], dict[int, dict[str, Any]]] = {}
-    if not directory.is_dir():
-        return []
-    for path in directory.iterdir():
-        if _NAME.match(path.name) is None:
+    for name in folder.names():
+        match = _NAME.match(name)
+        if match is None:
             continue
-        meta = read_meta(path)
+        meta = read_meta(folder, name, key)
         if meta is None:
             continue
-        key = (meta["step"], meta["attempt"], meta["node"])
-        found.setdefault(key, {})[meta["local_rank"]] = {**meta, "path": str(path)}
+        named = tuple(int(g) for g in match.groups()[:3])
+        if named != (meta["attempt"], meta["node"], meta["local_rank"]):
+            continue  # a meta of this job's, under another writer's name
+        key3 = (meta["step"], meta["attempt"], meta["node"])
+        found.setdefault(key3, {})[meta["local_rank"]] = {**meta, "name": name}
     out = []
     for (step, attempt, node), metas in found.items():
         width = {m["local_world_size"] for m in metas.values()}
@@ -130,11 +218,10 @@ def scan(directory: Path) -> list[Snapshot]:
     return sorted(out, key=lambda s: s.key, reverse=True)
 
 
-def remove_except(directory: Path, keep: Iterable[Path]) -> None:
-    """Remove every snapshot file in ``directory`` but ``keep`` (and their data files)."""
-    kept = {str(p) for p in keep} | {str(Path(p).with_suffix(".data")) for p in keep}
-    if not directory.is_dir():
-        return
-    for path in directory.iterdir():
-        if str(path) not in kept and path.suffix in (".meta", ".data", ".tmp"):
-            remove(path)
+def remove_except(folder: Folder, keep: Iterable[str]) -> None:
+    """Remove every snapshot file in ``folder`` but the metas ``keep`` and their data."""
+    kept = set(keep)
+    kept |= {data_name(k) for k in kept}
+    for name in folder.names():
+        if name not in kept and name.endswith((".meta", ".data", ".tmp")):
+            folder.remove(name)

@@ -24,17 +24,22 @@ def uses_agent_store() -> bool:
     return under_torchrun() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def attempt_store(timeout: timedelta = DEFAULT_TIMEOUT) -> dist.Store:
-    """A client of torchrun's agent store whose keys are this attempt's alone."""
+def agent_store(timeout: timedelta = DEFAULT_TIMEOUT) -> dist.TCPStore:
+    """A client of torchrun's agent store (which outlives the workers)."""
     env = os.environ
-    base = dist.TCPStore(
+    return dist.TCPStore(
         env["MASTER_ADDR"],
         int(env["MASTER_PORT"]),
         is_master=False,
         timeout=timeout,
         wait_for_workers=False,
     )
-    return dist.PrefixStore(f"bucketddp/attempt/{env['TORCHELASTIC_RESTART_COUNT']}", base)
+
+
+def attempt_store(timeout: timedelta = DEFAULT_TIMEOUT) -> dist.Store:
+    """A client of torchrun's agent store whose keys are this attempt's alone."""
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return dist.PrefixStore(f"bucketddp/attempt/{attempt}", agent_store(timeout))
 
 
 def init_process_group(backend: str | None = None, **kwargs: Any) -> None:

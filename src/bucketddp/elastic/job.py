@@ -63,7 +63,9 @@ class Job:
         )
 
     def directory(self) -> Path:
-        """This job's snapshot folder on this node (``BUCKETDDP_SNAPSHOT_DIR`` or /dev/shm)."""
+        """This job's snapshot folder on this node: ``<root>/bucketddp-<uid>/<run id>``, the
+        root ``BUCKETDDP_SNAPSHOT_DIR`` or /dev/shm. The per-user parent is private, so no
+        other user can make or see a job's folder (``folder.py`` checks both)."""
         root = Path(os.environ.get("BUCKETDDP_SNAPSHOT_DIR", DEFAULT_ROOT))
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.run_id)[:100]
-        return root / f"bucketddp-{safe}"
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.run_id)[:100].lstrip(".") or "_"
+        return root / f"bucketddp-{os.geteuid()}" / safe

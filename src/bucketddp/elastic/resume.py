@@ -5,7 +5,8 @@ in its node's folder; the ranks agree on the newest (at an unchanged world size,
 whose ranks' own parts are all still there, so every rank gets its own RNG state back);
 its holder reads it, checks every share's size and checksum, and sends it with
 ``checkpoint.broadcast_checkpoint``. A snapshot that fails the check is never loaded: the
-ranks go on to the next newest, and return None when there is none.
+ranks go on to the next newest, and return None when there is none. Only metas that check
+with the job's key count (``files.py``): the pickled parts are never read from any other.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import io
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from ..checkpoint import broadcast_checkpoint, join_tensors
 from ..comm import global_rank
-from .files import Snapshot, checksum, remove_except, scan
+from .files import Snapshot, checksum, data_name, remove_except, scan
+from .folder import Folder
 from .job import Job
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class Restored:
     source: str  # where it came from, for the log
 
 
-def read(snapshot: Snapshot) -> tuple[Any, dict[int, bytes]]:
+def read(folder: Folder, snapshot: Snapshot) -> tuple[Any, dict[int, bytes]]:
     """The state a node's snapshot holds, and each writer's own part by its global rank."""
     metas = snapshot.metas
     first = metas[0]
@@ -51,13 +52,16 @@ def read(snapshot: Snapshot) -> tuple[Any, dict[int, bytes]]:
         raise CorruptSnapshot(f"the ranks of node {snapshot.node} wrote different states")
     shares = {}
     for local, meta in metas.items():
-        path = Path(meta["path"]).with_suffix(".data")
-        nbytes = meta["nbytes"]
-        if not path.exists() or path.stat().st_size < nbytes:
-            raise CorruptSnapshot(f"{path} is missing or short")
-        data = torch.from_file(str(path), shared=False, size=nbytes, dtype=torch.uint8)
+        name, nbytes = data_name(meta["name"]), meta["nbytes"]
+        try:
+            mapped = folder.map(name, nbytes, create=False)
+        except OSError as e:
+            raise CorruptSnapshot(f"{folder.path / name} is missing or short ({e})") from None
+        data = torch.empty(0, dtype=torch.uint8)
+        if mapped is not None:
+            data = torch.frombuffer(mapped, dtype=torch.uint8)
         if checksum(data) != meta["checksum"]:
-            raise CorruptSnapshot(f"{path} fails its checksum")
+            raise CorruptSnapshot(f"{folder.path / name} fails its checksum")
         shares[local] = data
     tensors = []
     for meta, owner, offset in zip(first["metas"], first["owners"], first["offsets"], strict=True):
@@ -67,7 +71,7 @@ def read(snapshot: Snapshot) -> tuple[Any, dict[int, bytes]]:
     return state, {m["rank"]: m["own"] for m in metas.values()}
 
 
-def _listing(job: Job) -> list[tuple[int, int, int, list[int], int]]:
+def _listing(job: Job, folder: Folder, key: bytes) -> list[tuple[int, int, int, list[int], int]]:
     """(step, attempt, node, writers' global ranks, world size) of this node's snapshots."""
     if job.local_rank != 0:
         return []
@@ -79,7 +83,7 @@ def _listing(job: Job) -> list[tuple[int, int, int, list[int], int]]:
             sorted(m["rank"] for m in s.metas.values()),
             s.metas[0]["world_size"],
         )
-        for s in scan(job.directory())
+        for s in scan(folder, key)
     ]
 
 
@@ -104,22 +108,25 @@ def _candidates(everyone: list[list[Any]], world: int) -> list[tuple[Any, int]]:
     return [(key, holders[key]) for key in sorted(holders, key=rank_of, reverse=True)]
 
 
-def restore(job: Job, group: dist.ProcessGroup | None = None) -> Restored | None:
-    """Find, agree on and load the newest readable snapshot of this job (a collective)."""
+def restore(
+    job: Job, folder: Folder, key: bytes, group: dist.ProcessGroup | None = None
+) -> Restored | None:
+    """Find, agree on and load the newest readable snapshot of this job in its checked
+    ``folder``, whose metas check with ``key`` (a collective)."""
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, _listing(job), group=group)
-    for key, holder in _candidates(everyone, world):
-        step, attempt, node = key
+    dist.all_gather_object(everyone, _listing(job, folder, key), group=group)
+    for which, holder in _candidates(everyone, world):
+        step, attempt, node = which
         status: list[Any] = [None]
         found: Snapshot | None = None
         if me == holder:
-            found = next((s for s in scan(job.directory()) if s.key == key), None)
+            found = next((s for s in scan(folder, key) if s.key == which), None)
             try:
                 if found is None:
                     raise CorruptSnapshot("it went away")
-                state, owns = read(found)
+                state, owns = read(folder, found)
                 status = [("ok", found.metas[0]["world_size"])]
             except Exception as e:
                 state, owns = None, {}
@@ -134,7 +141,7 @@ def restore(job: Job, group: dist.ProcessGroup | None = None) -> Restored | None
             continue
         old_world = status[0][1]
         state = broadcast_checkpoint(state if me == holder else None, group=group, src=holder)
-        own = _gather_owns(job, step, old_world, owns if me == holder else {}, group)
+        own = _gather_owns(job, folder, key, step, old_world, owns if me == holder else {}, group)
         if me == holder and found is not None:
             log.info(
                 "bucketddp: resuming from the snapshot of step %d (attempt %d, node %d)",
@@ -147,12 +154,18 @@ def restore(job: Job, group: dist.ProcessGroup | None = None) -> Restored | None
 
 
 def _gather_owns(
-    job: Job, step: int, old_world: int, owns: dict[int, bytes], group: dist.ProcessGroup | None
+    job: Job,
+    folder: Folder,
+    key: bytes,
+    step: int,
+    old_world: int,
+    owns: dict[int, bytes],
+    group: dist.ProcessGroup | None,
 ) -> Any:
     """This rank's own part from the snapshots of ``step`` (all nodes'), if the world size
     is unchanged; else None."""
     if job.local_rank == 0:
-        for s in scan(job.directory()):
+        for s in scan(folder, key):
             if s.step == step:
                 owns.update({m["rank"]: m["own"] for m in s.metas.values()})
     everyone: list[Any] = [None] * dist.get_world_size(group)
@@ -163,11 +176,9 @@ def _gather_owns(
     return None if mine is None else torch.load(io.BytesIO(mine), weights_only=False)
 
 
-def keep_only(job: Job, step: int) -> None:
+def keep_only(job: Job, folder: Folder, key: bytes, step: int) -> None:
     """Remove this node's snapshot files but those of ``step`` (after resuming from it)."""
     if job.local_rank != 0:
         return
-    keep = [
-        Path(m["path"]) for s in scan(job.directory()) if s.step == step for m in s.metas.values()
-    ]
-    remove_except(job.directory(), keep)
+    keep = [m["name"] for s in scan(folder, key) if s.step == step for m in s.metas.values()]
+    remove_except(folder, keep)

@@ -23,13 +23,13 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..checkpoint import TensorMeta, split_tensors
-from .files import Part, checksum, map_bytes, remove, write_meta
+from .files import Part, checksum, write_meta
+from .folder import Folder
 from .job import Job
 
 ALIGN = 64  # bytes: every tensor starts on such a boundary in a data file
@@ -77,6 +77,15 @@ class Layout:
         return out
 
 
+def map_bytes(folder: Folder, name: str, nbytes: int) -> torch.Tensor:
+    """File ``name`` of ``folder`` (made or resized to ``nbytes``) mapped as a shared uint8
+    tensor."""
+    mapped = folder.map(name, nbytes, create=True)
+    if mapped is None:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
 def to_bytes(obj: Any) -> bytes:
     """``obj`` saved with ``torch.save``: a rank's own part (RNG states, ...)."""
     buffer = io.BytesIO()
@@ -87,10 +96,10 @@ def to_bytes(obj: Any) -> bytes:
 class Writer:
     """Writes this rank's share of each snapshot into its node's snapshot folder."""
 
-    def __init__(self, job: Job, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
+    def __init__(self, job: Job, folder: Folder, key: bytes) -> None:
         self.job = job
-        self.directory = directory
+        self.folder = folder
+        self.key = key
         self._maps: dict[int, torch.Tensor] = {}
         self._layout: Layout | None = None
         self._views: dict[int, list[torch.Tensor]] = {}  # slot -> this rank's tensors' places
@@ -102,7 +111,7 @@ class Writer:
         self._thread = threading.Thread(target=self._work, name="bucketddp-snapshots", daemon=True)
         self._thread.start()
         atexit.register(self.close)
-        self.committed: tuple[int, Path] | None = None  # (step, meta) of the last commit
+        self.committed: tuple[int, str] | None = None  # (step, meta) of the last commit
 
     def take(self, step: int, state: Any, own: Any = None) -> None:
         """Snapshot ``state`` as of ``step``; ``own`` is this rank's own part (not shared)."""
@@ -112,8 +121,8 @@ class Writer:
         # thread a step behind, a rank killed now would hold no snapshot at all.
         self.wait()
         part = Part(self.job.attempt, self.job.node, self.job.local_rank, slot)
-        meta_path = part.path(self.directory, "meta")
-        remove(meta_path)
+        meta_name = part.name("meta")
+        self.folder.remove(meta_name)
         skeleton, tensors, metas = split_tensors(state)
         layout = self._layout_of(metas)
         owners, offsets, loads = layout.owners, layout.offsets, layout.loads
@@ -142,7 +151,7 @@ class Writer:
             "own": to_bytes(own),
         }
         self._done[slot].clear()
-        self._queue.put(lambda: self._commit(slot, meta_path, data, payload))
+        self._queue.put(lambda: self._commit(slot, meta_name, data, payload))
 
     def _layout_of(self, metas: list[TensorMeta]) -> Layout:
         """The deal of tensors like ``metas``: the last one's if they are alike."""
@@ -154,15 +163,15 @@ class Writer:
     def _map(self, slot: int, part: Part, nbytes: int) -> torch.Tensor:
         mapped = self._maps.get(slot)
         if mapped is None or mapped.numel() != nbytes:
-            self._maps[slot] = mapped = map_bytes(part.path(self.directory, "data"), nbytes)
+            self._maps[slot] = mapped = map_bytes(self.folder, part.name("data"), nbytes)
             self._views.pop(slot, None)
         return mapped
 
-    def _commit(self, slot: int, path: Path, data: torch.Tensor, payload: dict[str, Any]) -> None:
+    def _commit(self, slot: int, name: str, data: torch.Tensor, payload: dict[str, Any]) -> None:
         try:
             payload["checksum"] = checksum(data)
-            write_meta(path, payload)
-            self.committed = (payload["step"], path)
+            write_meta(self.folder, name, payload, self.key)
+            self.committed = (payload["step"], name)
         finally:
             self._done[slot].set()
 

@@ -1,0 +1,84 @@
+"""The private folder's checks (``bucketddp.elastic.folder``) and the meta format's
+(``bucketddp.elastic.files``), in one process.
+
+A folder is made ``0700`` and its files ``0600`` whatever the umask; a symlink, a folder
+with group or other bits, and a symlinked file are refused. A meta is read back only with
+the key it was written with, and only whole, with every field.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bucketddp.elastic.files import BadMeta, decode_meta, encode_meta
+from bucketddp.elastic.folder import Folder, UnsafeFolder
+
+KEY = bytes(range(32))
+
+
+@pytest.fixture
+def umask0() -> Iterator[None]:
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def test_made_private_whatever_the_umask(tmp_path: Path, umask0: None) -> None:
+    folder = Folder.open(tmp_path / "root" / "parent" / "run", private=2)
+    folder.write("meta", b"x")
+    folder.map("data", 64, create=True)
+    for path in (tmp_path / "root" / "parent", folder.path):
+        assert path.stat().st_mode & 0o777 == 0o700, path
+    for name in ("meta", "data"):
+        assert (folder.path / name).stat().st_mode & 0o777 == 0o600, name
+    folder.remove_all()
+    assert not folder.path.exists()
+
+
+def test_a_symlink_or_an_open_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UnsafeFolder, match="is a symlink"):
+        Folder.open(tmp_path / "link")
+    (tmp_path / "open").mkdir()
+    (tmp_path / "open").chmod(0o770)
+    with pytest.raises(UnsafeFolder, match=r"mode 0770\); make it private \(chmod 700"):
+        Folder.open(tmp_path / "open" / "run", private=2)
+    assert not (tmp_path / "open" / "run").exists()  # nothing made inside
+    folder = Folder.open(tmp_path / "mine")
+    (folder.path / "planted").symlink_to(tmp_path / "elsewhere" / "target")
+    with pytest.raises(OSError):
+        folder.read("planted")
+
+
+def _payload() -> dict[str, object]:
+    fields = "format step attempt node local_rank local_world_size rank world_size nbytes"
+    payload: dict[str, object] = {f: 1 for f in fields.split()}
+    return {**payload, "checksum": -5, "owners": [], "offsets": [], "metas": []} | {
+        "skeleton": b"skeleton",
+        "own": b"own",
+    }
+
+
+def test_a_meta_reads_back_only_whole_with_its_key() -> None:
+    raw = encode_meta(_payload(), KEY)
+    got = decode_meta(raw, KEY)
+    assert got == _payload()
+    with pytest.raises(BadMeta, match="tag does not check"):
+        decode_meta(raw, bytes(32))
+    with pytest.raises(BadMeta, match="tag does not check"):
+        decode_meta(raw[:-1], KEY)
+    with pytest.raises(BadMeta, match="cut short"):
+        decode_meta(raw[:20], KEY)
+    short = _payload()
+    del short["step"]
+    with pytest.raises(BadMeta, match="'step' is missing"):
+        decode_meta(encode_meta(short, KEY), KEY)
+    no_section = _payload()
+    del no_section["own"]
+    with pytest.raises(BadMeta, match="'own' is missing"):
+        decode_meta(encode_meta(no_section, KEY), KEY)
