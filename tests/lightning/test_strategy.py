@@ -8,7 +8,7 @@ processes and every rank saves what it saw; the tests below read those results. 
 truth is Lightning's own ``strategy="ddp"`` on the same seed, and, for resume, the run that
 never stopped. Every run must also end cleanly: ``run_script`` fails a test whose run exits
 non-zero or prints "terminate called" on any rank (the 30-run count of that:
-``python benchmarks/lightning_exit_status.py --runs 30``).
+``python3 dev.py bench-exits``).
 """
 
 from __future__ import annotations
