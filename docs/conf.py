@@ -16,7 +16,8 @@ release = version = bucketddp.__version__
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon"]
 source_suffix = {".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build"]
+# pypi.md is the package page (pyproject.toml's readme), not a page of the site.
+exclude_patterns = ["_build", "pypi.md"]
 
 # GitHub's anchors, so that a link such as strategy.md#options works on GitHub and here.
 myst_heading_anchors = 6
