@@ -76,9 +76,13 @@ def _local_cpu_index(where: Path, env: dict[str, str]) -> Path:
     )
     index = where / "index"
     for wheel in files.iterdir():
-        project = re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
-        (index / project).mkdir(parents=True, exist_ok=True)
-        (index / project / wheel.name).symlink_to(wheel)
+        project = index / re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
+        project.mkdir(parents=True, exist_ok=True)
+        (project / wheel.name).symlink_to(wheel)
+    # pip reads a file:// index's project page from its index.html.
+    for project in index.iterdir():
+        links = (f'<a href="{w.name}">{w.name}</a><br>' for w in project.glob("*.whl"))
+        (project / "index.html").write_text("\n".join(links) + "\n")
     return index
 
 
