@@ -6,4 +6,4 @@ demo test bench plots lint wheel docs:
 	$(PYTHON) dev.py $@
 
 clean:
-	rm -rf .venv build dist docs/_build src/*.egg-info
+	rm -rf .venv .venv-demo build dist docs/_build src/*.egg-info

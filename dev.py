@@ -16,10 +16,17 @@
     python3 dev.py wheel   # build the sdist and wheel, twine check, run two examples from the wheel
     python3 dev.py docs    # build the docs site strictly into docs/_build/html
 
-The first call creates .venv and installs the project with every pin in constraints.txt,
-so a CPU machine gets the CPU build of torch instead of the multi-GB CUDA wheels. Later
-calls reuse it until pyproject.toml or constraints.txt change; wheel and docs add their
-own extras ("release", "docs") to it the first time they run.
+The first call creates .venv and installs the project into it (editable) with the versions
+pinned in constraints.txt. Later calls reuse it until pyproject.toml or constraints.txt
+change; wheel and docs add their own extras ("release", "docs") to it the first time they
+run. `demo` has an environment of its own, .venv-demo, with only what the demo needs
+(torch and scikit-learn, the "demo" extra), so a first run installs no Lightning and no
+development tools.
+
+Which torch build pip installs is pip's choice: on Linux the package index's torch is the
+CUDA build (about 2.5 GB with its nvidia packages). For the CPU-only build, install it first
+from PyTorch's CPU index, as docs/getting-started.md shows:
+    .venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
-PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+DEMO_VENV = ROOT / ".venv-demo"
 CONSTRAINTS = ROOT / "constraints.txt"
 
 COMMANDS = {
@@ -82,6 +89,12 @@ COMMANDS = {
 # The extras each command needs beyond the default ones.
 DEFAULT_EXTRAS = ("lightning", "dev")
 EXTRAS = {"wheel": ("release",), "docs": ("docs",)}
+# Commands with an environment of their own, and its only extras.
+OWN_VENV = {"demo": (DEMO_VENV, ("demo",))}
+
+
+def _python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
 def _fingerprint() -> str:
@@ -91,35 +104,41 @@ def _fingerprint() -> str:
     return digest.hexdigest()
 
 
-def ensure_venv(extras: tuple[str, ...] = ()) -> None:
-    """Create .venv and install the project into it, unless it is already current.
+def ensure_venv(extras: tuple[str, ...] = DEFAULT_EXTRAS, venv: Path = VENV) -> Path:
+    """Create ``venv`` and install the project into it, unless it is already current;
+    return its Python.
 
     The stamp records the pins' fingerprint and the extras installed: a command that needs
     another extra adds it, and the extras already there stay.
     """
-    stamp = VENV / ".installed"
+    py = _python(venv)
+    stamp = venv / ".installed"
     want = _fingerprint()
     lines = stamp.read_text().splitlines() if stamp.exists() else []
     had = set(lines[1].split(",")) if len(lines) > 1 else set()
-    need = {*DEFAULT_EXTRAS, *extras}
-    if lines[:1] == [want] and need <= had and PY.exists():
-        return
+    need = set(extras)
+    if lines[:1] == [want] and need <= had and py.exists():
+        return py
     need |= had
     env = dict(os.environ, PIP_CONSTRAINT=str(CONSTRAINTS), PIP_DISABLE_PIP_VERSION_CHECK="1")
-    if not PY.exists():
-        made = subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=False)
+    if not py.exists():
+        made = subprocess.run([sys.executable, "-m", "venv", str(venv)], check=False)
         if made.returncode != 0:
             # Some distributions ship venv without ensurepip: make a bare venv and let the
             # system pip install into it.
-            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(VENV)], check=True)
-    has_pip = subprocess.run([str(PY), "-m", "pip", "--version"], capture_output=True).returncode
-    pip = [str(PY), "-m", "pip"]
+            subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    has_pip = subprocess.run([str(py), "-m", "pip", "--version"], capture_output=True).returncode
+    pip = [str(py), "-m", "pip"]
     if has_pip != 0:
-        pip = [sys.executable, "-m", "pip", "--python", str(PY)]
-    print("dev.py: installing bucketddp and its pinned dependencies into .venv ...", flush=True)
+        pip = [sys.executable, "-m", "pip", "--python", str(py)]
+    print(
+        f"dev.py: installing bucketddp and its pinned dependencies into {venv.name} ...",
+        flush=True,
+    )
     spec = f".[{','.join(sorted(need))}]"
     subprocess.run([*pip, "install", "-q", "-e", spec], cwd=ROOT, env=env, check=True)
     stamp.write_text(f"{want}\n{','.join(sorted(need))}\n")
+    return py
 
 
 def main(argv: list[str]) -> int:
@@ -132,9 +151,13 @@ def main(argv: list[str]) -> int:
     if len(argv) < 1 or argv[0] not in COMMANDS:
         print(__doc__)
         return 2
-    ensure_venv(EXTRAS.get(argv[0], ()))
+    if argv[0] in OWN_VENV:
+        venv, extras = OWN_VENV[argv[0]]
+        py = ensure_venv(extras, venv)
+    else:
+        py = ensure_venv((*DEFAULT_EXTRAS, *EXTRAS.get(argv[0], ())))
     for cmd in COMMANDS[argv[0]]:
-        code = subprocess.run([str(PY), *cmd, *argv[1:]], cwd=ROOT).returncode
+        code = subprocess.run([str(py), *cmd, *argv[1:]], cwd=ROOT).returncode
         if code != 0:
             return code
     return 0

@@ -154,6 +154,7 @@ def train(rank: int, world_size: int, steps: int | None = None) -> dict[str, Any
         for name, m in systems.items()
     }
     times: dict[str, list[float]] = {name: [] for name in systems}
+    waits: list[float] = []  # bucketddp's exposed wait at the end of each backward
     losses: dict[str, float] = {}
     for step in range(steps):
         x, y = shard(data, step, rank, world_size)
@@ -162,6 +163,8 @@ def train(rank: int, world_size: int, steps: int | None = None) -> dict[str, Any
             losses[name], seconds = timed_step(systems[name], optimizers[name], x, y)
             if step >= WARMUP:
                 times[name].append(seconds)
+                if name == "bucketddp":
+                    waits.append(systems[name].comm_stats.wait_seconds)
 
     ours, theirs = systems["bucketddp"], systems["torch DDP"]
     stats = ours.comm_stats
@@ -175,7 +178,7 @@ def train(rank: int, world_size: int, steps: int | None = None) -> dict[str, Any
         "max_difference": max_difference(ours.module, theirs.module),
         "buckets": stats.buckets,
         "bytes_reduced": stats.bytes_reduced,
-        "wait_seconds": stats.wait_seconds,
+        "wait_seconds": statistics.median(waits) if waits else stats.wait_seconds,
     }
 
 
@@ -196,7 +199,7 @@ def report(result: dict[str, Any], world_size: int) -> None:
     print(f"{'median time per step (ms)':28}" + "".join(f"{medians[n]:12.2f}" for n in names))
     print(
         f"\nbucketddp: {result['buckets']} bucket(s), {result['bytes_reduced'] / 2**20:.2f} MB "
-        f"reduced per step, {1000 * result['wait_seconds']:.2f} ms waiting at the end of backward"
+        f"reduced per step, {1000 * result['wait_seconds']:.2f} ms median wait after backward"
     )
     ratio = medians["bucketddp"] / medians["torch DDP"]
     print(f"time per step, bucketddp / torch DDP: {ratio:.2f}")

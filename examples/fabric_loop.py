@@ -15,6 +15,7 @@ the loss, the counter and what the checkpoint holds.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -87,19 +88,22 @@ def train(fabric: Fabric, args: argparse.Namespace) -> None:
     state: dict[str, Any] = {"model": resumed, "optimizer": resumed_opt, "batch": 0}
     fabric.load(path, state)
     fabric.print(f"resumed after batch {state['batch']}")
-    if fabric.global_rank == 0 and args.strategy == "bucket":
+    if fabric.global_rank == 0 and args.strategy == "bucket_ddp":
         saved = torch.load(path, weights_only=True)
         fabric.print(f"checkpoint keys: {sorted(saved)}; model keys: {sorted(saved['model'])}")
+
+
+OUT_VARIABLE = "FABRIC_LOOP_OUT"
 
 
 def main() -> None:
     """Parse the flags and launch the loop on 2 CPU processes."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--strategy", choices=["bucket", "ddp"], default="bucket")
+    parser.add_argument("--strategy", choices=["bucket_ddp", "ddp"], default="bucket_ddp")
     parser.add_argument("--fp16-hook", action="store_true", help="bucket: fp16 gradients")
     parser.add_argument("--sync-batchnorm", action="store_true", help="bucket: on CPU too")
     parser.add_argument("--accumulate", type=int, default=1, help="batches per step")
-    parser.add_argument("--out", default=tempfile.gettempdir())
+    parser.add_argument("--out", default=None, help="checkpoint folder (default: a new one)")
     args = parser.parse_args()
 
     if args.strategy == "ddp":
@@ -110,7 +114,15 @@ def main() -> None:
             ddp_comm_hook=default_hooks.fp16_compress_hook if args.fp16_hook else None,
         )
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
-    fabric.launch(train, args)
+    args.out = args.out or os.environ.get(OUT_VARIABLE)  # the ranks rank 0 started
+    if args.out is not None:
+        fabric.launch(train, args)
+        return
+    # A folder of this run's own, so that two runs never share checkpoint names; the ranks
+    # it starts inherit its name. fabric.load ends in a barrier, so no rank reads it late.
+    with tempfile.TemporaryDirectory(prefix="fabric_loop-") as out:
+        os.environ[OUT_VARIABLE] = args.out = out
+        fabric.launch(train, args)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def main() -> None:
 
     # Every rank takes part in saving (buffers are synced first); rank 0 writes the file.
     path = trainer.strategy.broadcast(tempfile.mkdtemp() + "/last.ckpt")
-    trainer.save_checkpoint(path)
+    trainer.save_checkpoint(path, weights_only=False)  # the full state; says so to Lightning
     if trainer.is_global_zero:
         ckpt = torch.load(path, weights_only=False)
         print(

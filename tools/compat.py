@@ -272,6 +272,32 @@ def table(rows: dict[Combo, dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
+POLICY = """
+## Version bounds
+
+The package states floors only: `torch>=2.5`, and `lightning>=2.4` in the `lightning`
+extra. It sets no upper bound, so the day torch or Lightning ships a new release, pip
+neither refuses to install bucketddp beside it nor downgrades it in an environment that
+has it. The tested window is the table above, kept in `bucketddp/versions.py`: importing
+bucketddp with a torch newer than the newest tested minor release, or its Lightning
+strategies with a newer Lightning, warns once (`UntestedVersionWarning`, a `UserWarning`)
+and goes on. A release older than the floor is refused: pip does not install it, and
+`import bucketddp` raises on torch 2.4. `constraints.txt` pins the exact versions CI runs.
+
+A new release joins the window when `python3 dev.py compat --only 'torch 2.16'` passes on
+it (or `--only 'Lightning 2.7'`): its row goes into this table and the newest release into
+`bucketddp/versions.py` (a unit test checks that the two agree).
+
+## Operating systems
+
+bucketddp is tested on Linux. It needs a POSIX system: elastic training keeps its
+snapshots in `/dev/shm`, and the watchdog's stall reports use POSIX signals. On macOS,
+which has no `/dev/shm`, elastic training needs `BUCKETDDP_SNAPSHOT_DIR` set to a folder of
+your choice; the rest is not tested there. Windows is not supported.
+"""
+"""The page's sections below the table, which no run changes."""
+
+
 def write_page(rows: dict[Combo, dict[str, str]]) -> None:
     TABLE.write_text(
         "# Compatibility\n\n"
@@ -304,7 +330,7 @@ def write_page(rows: dict[Combo, dict[str, str]]) -> None:
         "3.12 lies inside the window and is not run on its own.\n\n"
         "The full suite, not only this subset, runs in CI on the pinned stack "
         "(constraints.txt), followed by the Lightning areas with Lightning 2.4 and 2.5 on the "
-        "pinned torch (`python3 dev.py compat --pinned`).\n"
+        "pinned torch (`python3 dev.py compat --pinned`).\n" + POLICY
     )
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .versions import warn_if_untested
+
 OLDEST_TORCH = "2.5"
 """torch 2.4's autograd engine does not run a hook registered on the node that is running.
 The reducer registers one to finish a step whose first gradients come from a reentrant
@@ -127,3 +129,4 @@ def ddp_deprecates_broadcast_buffers() -> bool:
 
 
 check_torch()  # at import bucketddp, which imports this module first
+warn_if_untested("torch", str(torch.__version__))

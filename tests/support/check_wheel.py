@@ -4,12 +4,18 @@
 
 1. ``python -m build`` makes the sdist, then the wheel from the sdist, into dist/.
 2. ``twine check --strict`` checks both; the wheel must hold ``py.typed`` and carry the
-   version written in ``bucketddp.__version__``.
-3. A new virtual environment, outside the source tree, gets the wheel with its
-   ``lightning`` extra through constraints.txt (so torch is the pinned CPU build).
+   version written in ``bucketddp.__version__``; both must ship LICENSE and name it (and
+   ``License-Expression: Apache-2.0``) in their metadata.
+3. docs/getting-started.md's commands run as written (install_page.py): from a fresh copy
+   of the repository into a new virtual environment outside the source tree, CPU-only
+   torch, ``pip install .`` and ``".[lightning]"``, then the wheel with its ``lightning``
+   extra, then the demo; every pip call goes through constraints.txt.
 4. From a directory outside the source tree, that environment imports bucketddp (which
    must come from the environment, not from src/) and runs examples/lightning_swap.py
    and examples/fabric_loop.py.
+5. A script that never imports bucketddp fits with ``Trainer(strategy="bucket_ddp")`` on
+   2 CPU processes, and trains under ``fabric run --strategy bucket_ddp`` (the wheel's
+   interpreter-start hook, docs/strategy.md); with the hook switched off the name is refused.
 
 Each step prints how long it took. The environment is deleted at the end.
 """
@@ -21,15 +27,21 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import zipfile
 from pathlib import Path
 from typing import Any
 
+from install_page import install_as_the_page_says
+
 ROOT = Path(__file__).resolve().parents[2]
 DIST = ROOT / "dist"
 EXAMPLES = ["examples/lightning_swap.py", "examples/fabric_loop.py"]
+PTH = "bucketddp-strategy-names.pth"
+"""The interpreter-start hook that registers our strategy names (setup.py)."""
+NO_IMPORT_SCRIPT = ROOT / "tests" / "support" / "names_without_import.py"
 
 
 def _version() -> str:
@@ -55,16 +67,65 @@ def _run(label: str, cmd: list[str], quiet: bool = False, **kwargs: Any) -> None
     print(f"check_wheel: {label}: {time.monotonic() - start:.0f} s", flush=True)
 
 
-def _pip() -> list[str]:
-    """A pip that can install into another environment (``pip --python``)."""
-    for python in (sys.executable, getattr(sys, "_base_executable", sys.executable)):
-        if subprocess.run([python, "-m", "pip", "--version"], capture_output=True).returncode == 0:
-            return [python, "-m", "pip"]
-    raise SystemExit("check_wheel: no pip found")
+def _check_license(wheel_path: Path, sdist_path: Path, version: str) -> None:
+    """LICENSE ships in the wheel and the sdist, identical to the repository's, and both
+    metadata files name it and the license expression."""
+    license_text = (ROOT / "LICENSE").read_bytes()
+    dist_info = f"bucketddp-{version}.dist-info"
+    with zipfile.ZipFile(wheel_path) as wheel:
+        names = set(wheel.namelist())
+        if f"{dist_info}/licenses/LICENSE" not in names:
+            raise SystemExit(f"check_wheel: the wheel has no {dist_info}/licenses/LICENSE")
+        shipped = wheel.read(f"{dist_info}/licenses/LICENSE")
+        metadata = wheel.read(f"{dist_info}/METADATA").decode()
+    with tarfile.open(sdist_path) as sdist:
+        member = sdist.extractfile(f"bucketddp-{version}/LICENSE")
+        pkg_info = sdist.extractfile(f"bucketddp-{version}/PKG-INFO")
+        if member is None or pkg_info is None:
+            raise SystemExit("check_wheel: the sdist has no LICENSE or PKG-INFO")
+        in_sdist = member.read()
+        sdist_metadata = pkg_info.read().decode()
+    if shipped != license_text or in_sdist != license_text:
+        raise SystemExit("check_wheel: the LICENSE shipped differs from the repository's")
+    for where, text in (("wheel", metadata), ("sdist", sdist_metadata)):
+        lines = text.splitlines()
+        if "License-Expression: Apache-2.0" not in lines or "License-File: LICENSE" not in lines:
+            raise SystemExit(f"check_wheel: the {where}'s metadata does not name the license")
+    print("check_wheel: LICENSE is in the wheel and the sdist, and in their metadata")
+
+
+def _check_names_without_import(venv: Path, run_dir: Path, env: dict[str, str]) -> None:
+    """Our strategy names work in a script that never imports bucketddp (the wheel's
+    interpreter-start hook), for the Trainer and through ``fabric run``; switched off with
+    ``BUCKETDDP_NO_STARTUP_HOOK=1``, the Trainer refuses the name."""
+    script = run_dir / NO_IMPORT_SCRIPT.name
+    shutil.copy(NO_IMPORT_SCRIPT, script)
+    bin_dir = venv / ("Scripts" if os.name == "nt" else "bin")
+    python = str(bin_dir / "python")
+    _run(
+        "Trainer(strategy='bucket_ddp'), no import",
+        [python, str(script), "trainer"],
+        cwd=run_dir,
+        env=env,
+    )
+    fabric_run = [str(bin_dir / "fabric"), "run", "--accelerator", "cpu", "--devices", "2"]
+    _run(
+        "fabric run --strategy bucket_ddp, no import",
+        [*fabric_run, "--strategy", "bucket_ddp", str(script), "fabric"],
+        cwd=run_dir,
+        env=env,
+    )
+    off = dict(env, BUCKETDDP_NO_STARTUP_HOOK="1")
+    refused = subprocess.run(
+        [python, str(script), "trainer"], cwd=run_dir, env=off, capture_output=True, text=True
+    )
+    if refused.returncode == 0 or "bucket_ddp" not in refused.stderr:
+        raise SystemExit("check_wheel: BUCKETDDP_NO_STARTUP_HOOK=1 did not switch the hook off")
+    print("check_wheel: with BUCKETDDP_NO_STARTUP_HOOK=1 the Trainer refuses 'bucket_ddp'")
 
 
 def main() -> int:
-    """Run the four steps; return 0 when all pass."""
+    """Run the five steps; return 0 when all pass."""
     total = time.monotonic()
     version = _version()
     env = dict(os.environ, PIP_CONSTRAINT=str(ROOT / "constraints.txt"))
@@ -87,16 +148,17 @@ def main() -> int:
         [sys.executable, "-m", "twine", "check", "--strict", *map(str, [*sdists, *wheels])],
     )
     with zipfile.ZipFile(wheels[0]) as wheel:
-        if "bucketddp/py.typed" not in wheel.namelist():
-            raise SystemExit("check_wheel: the wheel has no bucketddp/py.typed")
+        for name in ("bucketddp/py.typed", "_bucketddp_startup.py", PTH):
+            if name not in wheel.namelist():
+                raise SystemExit(f"check_wheel: the wheel has no {name}")
+    _check_license(wheels[0], sdists[0], version)
 
     with tempfile.TemporaryDirectory(prefix="bucketddp-wheel-") as tmp:
-        venv = Path(tmp) / "venv"
+        start = time.monotonic()
+        print("check_wheel: docs/getting-started.md's commands ...", flush=True)
+        venv = install_as_the_page_says(Path(tmp), env)
+        print(f"check_wheel: the install page: {time.monotonic() - start:.0f} s", flush=True)
         python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-        _run("new venv", [sys.executable, "-m", "venv", "--without-pip", str(venv)])
-        # --no-compile: byte-compiling all of torch costs more than the whole install.
-        install = [*_pip(), "--python", str(python), "install", "-q", "--no-compile"]
-        _run("install the wheel", [*install, f"{wheels[0]}[lightning]"], quiet=True, env=env)
 
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
@@ -117,6 +179,7 @@ def main() -> int:
             raise SystemExit(f"check_wheel: expected bucketddp {version} from {venv}")
         for example in EXAMPLES:
             _run(example, [str(python), str(ROOT / example)], cwd=run_dir, env=env)
+        _check_names_without_import(venv, run_dir, env)
 
     print(f"check_wheel: all passed in {time.monotonic() - total:.0f} s")
     return 0

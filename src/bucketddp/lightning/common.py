@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib.metadata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,6 +21,12 @@ import torch.distributed as dist
 from ..elastic.group import init_process_group, uses_agent_store
 from ..elastic.session import check_every
 from ..options import EngineOptions, check_switches
+from ..versions import warn_if_untested
+
+# Both strategy modules import this one: the Lightning release is checked once, read from its
+# metadata so that this module stays free of Lightning.
+with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+    warn_if_untested("lightning", importlib.metadata.version("lightning"))
 
 CHECKPOINT_KEY = "bucketddp"
 """The checkpoint entry the strategies add: ``{"bucket_order": [parameter names]}``."""

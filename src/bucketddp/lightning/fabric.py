@@ -97,9 +97,7 @@ class BucketFabricDDP(DDPStrategy):
     ``default_buffer_policy``, ``static_graph``, ``init_sync``, ``forward_sync_buffers``,
     ``check_finite``, ``telemetry``, ``watchdog`` and ``stall_timeout``; see
     ``bucketddp.options.EngineOptions`` for each, and ``docs/reliability.md`` for the last
-    two. ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
-    ``precision``, ``process_group_backend``, ``timeout`` and ``start_method`` are as for
-    Fabric's ``DDPStrategy``.
+    two. The other keywords are as for Fabric's ``DDPStrategy``.
 
     Args:
         sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm`` in
@@ -122,6 +120,21 @@ class BucketFabricDDP(DDPStrategy):
             (``bucketddp.elastic.Elastic``, ``docs/elastic.md``).
         snapshot_every: with ``elastic``, take a snapshot every this many steps.
 
+        accelerator: as for Lightning's ``DDPStrategy``: the accelerator (the Trainer
+            sets it from its ``accelerator`` argument when None).
+        parallel_devices: as for ``DDPStrategy``: the devices of this node (from the
+            Fabric's ``devices`` when None).
+        cluster_environment: as for ``DDPStrategy``: where rank and world size come from
+            (torchrun, SLURM, ...; detected when None).
+        checkpoint_io: as for ``DDPStrategy``: the plugin that writes and reads
+            checkpoints.
+        precision: as for ``DDPStrategy``: the precision plugin (from the Fabric's
+            ``precision`` when None).
+        process_group_backend: as for ``DDPStrategy``: ``"gloo"``, ``"nccl"``, ... (chosen
+            from the device when None).
+        timeout: as for ``DDPStrategy``: the process group's timeout.
+        start_method: as for ``DDPStrategy``: ``"popen"`` (processes started as scripts),
+            ``"spawn"``, ``"fork"`` or ``"forkserver"``.
     Raises:
         TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm`` or
             ``elastic`` other than True or False.

@@ -2,11 +2,12 @@
 ``python -m bucketddp.lightning.fabric_cli run --strategy bucket_ddp ...``.
 
 Lightning's CLI takes the choices of ``--strategy`` from Fabric's registry when it is
-imported, and nothing imports bucketddp before that, so ``fabric run --strategy bucket_ddp``
-is refused. Lightning reads no entry point for strategies. This module registers our names
-first, then runs the command that ``fabric`` runs, with the same arguments. The script it
-starts must ``import bucketddp`` before it builds ``Fabric()``, as any script that names
-our strategies does. Imports Lightning.
+imported, and Lightning reads no entry point for strategies. An installed bucketddp
+registers the names at interpreter start (``bucketddp-strategy-names.pth``), so plain
+``fabric run --strategy bucket_ddp`` works; where that hook is switched off
+(``BUCKETDDP_NO_STARTUP_HOOK=1``), this module registers our names first, then runs the
+command that ``fabric`` runs, with the same arguments. The script it starts must then
+``import bucketddp`` before it builds ``Fabric()``. Imports Lightning.
 """
 
 from __future__ import annotations

@@ -108,9 +108,7 @@ class BucketDDP(DDPStrategy):
     ``default_buffer_policy``, ``static_graph``, ``init_sync``, ``forward_sync_buffers``,
     ``check_finite``, ``telemetry``, ``watchdog`` and ``stall_timeout``; see
     ``bucketddp.options.EngineOptions`` for each, and ``docs/reliability.md`` for the last
-    two. ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
-    ``precision_plugin``, ``process_group_backend``, ``timeout`` and ``start_method`` are
-    as for Lightning's ``DDPStrategy``.
+    two. The other keywords are as for Lightning's ``DDPStrategy``.
 
     Args:
         sync_batchnorm: convert BatchNorm layers to ``bucketddp.SyncBatchNorm`` while
@@ -134,6 +132,21 @@ class BucketDDP(DDPStrategy):
             any node, at the same world size or another (``docs/elastic.md``).
         snapshot_every: with ``elastic``, take a snapshot every this many optimizer steps.
 
+        accelerator: as for Lightning's ``DDPStrategy``: the accelerator (the Trainer
+            sets it from its ``accelerator`` argument when None).
+        parallel_devices: as for ``DDPStrategy``: the devices of this node (from the
+            Trainer's ``devices`` when None).
+        cluster_environment: as for ``DDPStrategy``: where rank and world size come from
+            (torchrun, SLURM, ...; detected when None).
+        checkpoint_io: as for ``DDPStrategy``: the plugin that writes and reads
+            checkpoints.
+        precision_plugin: as for ``DDPStrategy``: the precision plugin (from the Trainer's
+            ``precision`` when None).
+        process_group_backend: as for ``DDPStrategy``: ``"gloo"``, ``"nccl"``, ... (chosen
+            from the device when None).
+        timeout: as for ``DDPStrategy``: the process group's timeout.
+        start_method: as for ``DDPStrategy``: ``"popen"`` (processes started as scripts),
+            ``"spawn"``, ``"fork"`` or ``"forkserver"``.
     Raises:
         TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm`` or
             ``elastic`` other than True or False.
