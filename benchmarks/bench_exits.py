@@ -161,6 +161,8 @@ def run_once(python: str, entry: str, system: str, timeout: float) -> dict[str, 
     with tempfile.TemporaryDirectory() as cwd:
         for rank in range(ranks):
             env = dict(os.environ, OMP_NUM_THREADS="1")
+            if system == "reference":  # an installed bucketddp must not load with Lightning
+                env["BUCKETDDP_NO_STARTUP_HOOK"] = "1"
             if entry == "engine":
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
                 env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
