@@ -5,7 +5,7 @@
     python3 dev.py test    # the test suite
     python3 dev.py bench   # the engine benchmark (bucketddp vs torch DDP vs no communication)
     python3 dev.py bench-elastic   # elastic snapshots: step-time cost, shared memory, recovery
-    python3 dev.py bench-exits   # clean exits under load: signals per entry point, vs torch/Lightning
+    python3 dev.py bench-exits   # clean exits under load: exits by a signal, per entry point
     python3 dev.py plots   # redraw docs/images: the bucket-size sweep and the overlap timeline
     python3 dev.py convergence   # accuracy with each comm hook, bucketddp and torch DDP
     python3 dev.py fuzz    # the engine fuzzer, outside the suite: --schedules 200, --replay SEED
