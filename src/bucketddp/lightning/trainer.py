@@ -131,15 +131,13 @@ class BucketDDP(DDPStrategy):
             and, after torchrun restarts the workers, resume from the newest snapshot on
             any node, at the same world size or another (``docs/elastic.md``).
         snapshot_every: with ``elastic``, take a snapshot every this many optimizer steps.
-
         accelerator: as for Lightning's ``DDPStrategy``: the accelerator (the Trainer
             sets it from its ``accelerator`` argument when None).
         parallel_devices: as for ``DDPStrategy``: the devices of this node (from the
             Trainer's ``devices`` when None).
         cluster_environment: as for ``DDPStrategy``: where rank and world size come from
             (torchrun, SLURM, ...; detected when None).
-        checkpoint_io: as for ``DDPStrategy``: the plugin that writes and reads
-            checkpoints.
+        checkpoint_io: as for ``DDPStrategy``: the plugin that writes and reads checkpoints.
         precision_plugin: as for ``DDPStrategy``: the precision plugin (from the Trainer's
             ``precision`` when None).
         process_group_backend: as for ``DDPStrategy``: ``"gloo"``, ``"nccl"``, ... (chosen
@@ -147,6 +145,7 @@ class BucketDDP(DDPStrategy):
         timeout: as for ``DDPStrategy``: the process group's timeout.
         start_method: as for ``DDPStrategy``: ``"popen"`` (processes started as scripts),
             ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+
     Raises:
         TypeError: a bad engine option (see ``EngineOptions``), or a ``sync_batchnorm`` or
             ``elastic`` other than True or False.
