@@ -236,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(*args.child)
         return 0
+    # A SIGTERM ends the benchmark as Ctrl-C does: the hogs are killed and the JSON written.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     hogs = _hogs(args.hogs)
     runs: list[dict[str, Any]] = []
     try:
@@ -247,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                     if result["signal"] or result["failed"]:
                         print(f"run {i} {entry} {system}: {result['codes']}\n{result['tail']}")
             print(f"after {i + 1} rounds:\n{report(runs)}", flush=True)
+    except KeyboardInterrupt:
+        print(f"interrupted; the runs so far:\n{report(runs)}", flush=True)
     finally:
         for hog in hogs:
             hog.kill()
