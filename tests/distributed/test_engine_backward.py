@@ -39,8 +39,8 @@ def _unused_error(rank: int, world: int) -> str:
 
 def test_unused_parameter_error_is_raised_in_that_backward_on_every_rank() -> None:
     # Raised by the backward itself, not by a collective that timed out: the process group
-    # times out with run_ranks (30 s), and its error would name no parameter.
-    for message in run_ranks(_unused_error, 2, timeout=30):
+    # times out with run_ranks (60 s), and its error would name no parameter.
+    for message in run_ranks(_unused_error, 2, timeout=60):
         assert "find_unused_parameters=True" in message
         assert "'left.weight'" in message and "'never.weight'" in message
 
@@ -87,7 +87,7 @@ def test_flags_in_several_rows_give_the_weights_of_torch_ddp(case: str, world: i
 
 
 def test_flags_in_several_rows_still_name_unused_parameters() -> None:
-    for message in run_ranks(_rows_forced, 2, "unused_error", timeout=30):
+    for message in run_ranks(_rows_forced, 2, "unused_error", timeout=60):
         assert "'left.weight'" in message and "'never.weight'" in message
 
 

@@ -30,7 +30,7 @@ def hang_on_rank_1(rank: int, world: int, pids: str) -> int:
 
 def test_a_rank_that_dies_of_a_signal_is_reported_with_its_stack() -> None:
     with pytest.raises(RankError) as info:
-        run_ranks(abort_on_rank_1, 2, timeout=30)
+        run_ranks(abort_on_rank_1, 2, timeout=60)
     message = str(info.value)
     assert "rank 1 died (exit code -6)" in message
     assert "abort_on_rank_1" in message  # faulthandler's stack of the main thread
