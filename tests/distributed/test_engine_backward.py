@@ -1,13 +1,12 @@
 """The backward pass when it goes wrong, on real gloo process groups.
 
-A parameter that gets no gradient raises promptly on every rank, naming it, with its flags
-in one row or several; backward(create_graph=True) is refused by name; and training
-recovers after a backward that raised halfway.
+A parameter that gets no gradient raises in that backward on every rank, naming it, with
+its flags in one row or several; backward(create_graph=True) is refused by name; and
+training recovers after a backward that raised halfway.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -20,11 +19,10 @@ from models import assert_weights, batch, build, split_flags, train_global
 from multirank import raised, run_ranks
 
 
-def _unused_error(rank: int, world: int) -> dict[str, Any]:
+def _unused_error(rank: int, world: int) -> str:
     model = build("branchy")
     ddp = BucketDataParallel(model, **TINY)
     x, y = batch("branchy", 0, rank)
-    start = time.monotonic()
     try:
         # Rank 1 takes the other branch, so "left" gets no gradient there.
         F.mse_loss(ddp(x, use_left=rank == 0), y).backward()
@@ -32,19 +30,19 @@ def _unused_error(rank: int, world: int) -> dict[str, Any]:
         message = str(e)
     else:
         message = ""
-    elapsed = time.monotonic() - start
     # The reducer must be usable again after the error: a clean step goes through.
     ddp_ok = BucketDataParallel(build("mlp"))
     xm, ym = batch("mlp", 0, rank)
     F.mse_loss(ddp_ok(xm), ym).backward()
-    return {"message": message, "elapsed": elapsed}
+    return message
 
 
-def test_unused_parameter_error_is_prompt_and_on_every_rank() -> None:
-    for r in run_ranks(_unused_error, 2, timeout=30):
-        assert "find_unused_parameters=True" in r["message"]
-        assert "'left.weight'" in r["message"] and "'never.weight'" in r["message"]
-        assert r["elapsed"] < 5.0
+def test_unused_parameter_error_is_raised_in_that_backward_on_every_rank() -> None:
+    # Raised by the backward itself, not by a collective that timed out: the process group
+    # times out with run_ranks (60 s), and its error would name no parameter.
+    for message in run_ranks(_unused_error, 2, timeout=60):
+        assert "find_unused_parameters=True" in message
+        assert "'left.weight'" in message and "'never.weight'" in message
 
 
 def _create_graph(rank: int, world: int, view: bool) -> tuple[str, dict[str, torch.Tensor]]:
@@ -89,8 +87,8 @@ def test_flags_in_several_rows_give_the_weights_of_torch_ddp(case: str, world: i
 
 
 def test_flags_in_several_rows_still_name_unused_parameters() -> None:
-    for r in run_ranks(_rows_forced, 2, "unused_error", timeout=30):
-        assert "'left.weight'" in r["message"] and "'never.weight'" in r["message"]
+    for message in run_ranks(_rows_forced, 2, "unused_error", timeout=60):
+        assert "'left.weight'" in message and "'never.weight'" in message
 
 
 class _FailOnce(torch.autograd.Function):

@@ -134,7 +134,7 @@ def test_rank0_order_wins_when_ranks_observe_different_orders() -> None:
 
 def test_bad_bucket_size_is_rejected() -> None:
     with pytest.raises(RankError, match="bucket_cap_mb"):
-        run_ranks(_bad_cap, 2, timeout=30)
+        run_ranks(_bad_cap, 2, timeout=60)
 
 
 @pytest.mark.parametrize(

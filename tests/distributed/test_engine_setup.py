@@ -35,7 +35,7 @@ def _mismatch(rank: int, world: int) -> str:
 
 
 def test_model_mismatch_raises_on_every_rank() -> None:
-    messages = run_ranks(_mismatch, 2, timeout=30)
+    messages = run_ranks(_mismatch, 2, timeout=60)
     for m in messages:
         assert "rank 1 differs from rank 0" in m
         assert "net.0.weight" in m
@@ -47,7 +47,7 @@ def _shape_mismatch(rank: int, world: int) -> str:
 
 
 def test_shape_mismatch_names_parameter() -> None:
-    for m in run_ranks(_shape_mismatch, 2, timeout=30):
+    for m in run_ranks(_shape_mismatch, 2, timeout=60):
         assert "'weight'" in m and "[3, 4]" in m and "[4, 4]" in m
 
 
@@ -126,7 +126,7 @@ def _lazy(rank: int, world: int) -> str:
 def test_lazy_modules_are_refused_naming_what_to_do() -> None:
     # torch DDP refuses them too; before, bucketddp raised torch's message about
     # load_state_dict, which did not apply.
-    for said in run_ranks(_lazy, 2, timeout=30):
+    for said in run_ranks(_lazy, 2, timeout=60):
         assert "['0.weight', '0.bias', '1.weight', '1.bias', '1.running_mean'" in said
         assert "run one forward pass on a batch first" in said
 
@@ -155,7 +155,7 @@ def test_wrapping_a_wrapper_or_a_meta_module_is_refused_naming_the_fix() -> None
     # torch DDP takes a wrapper inside a wrapper and reduces its gradients twice; a meta
     # module, a function or a string for the group fail with unrelated errors. Before, so did
     # bucketddp (the meta module at its first forward).
-    for said in run_ranks(_bad_wrapping, 2, timeout=30):
+    for said in run_ranks(_bad_wrapping, 2, timeout=60):
         assert "it is already a BucketDataParallel" in said["ours"]
         assert "it is already a DistributedDataParallel" in said["torch"]
         assert "its submodule '0' is a DistributedDataParallel" in said["nested"]
@@ -184,7 +184,7 @@ def _nothing_to_train(rank: int, world: int) -> dict[str, Any]:
 def test_a_module_with_nothing_to_train_is_refused_before_any_broadcast() -> None:
     # torch DDP refuses it too. The ranks agree on requires_grad in the model check, so the
     # error comes on every rank, and before parameters are broadcast: each keeps its own.
-    for rank, said in enumerate(run_ranks(_nothing_to_train, 2, timeout=30)):
+    for rank, said in enumerate(run_ranks(_nothing_to_train, 2, timeout=60)):
         for key in ("frozen", "ignored"):
             assert "needs at least one parameter with requires_grad=True" in said[key]
             assert "Unfreeze the parameters to train" in said[key]

@@ -17,7 +17,8 @@ from error_exits import run_once
 
 @pytest.mark.parametrize(("scenario", "runs"), [("mismatch", 2), ("unused", 1)])
 def test_ranks_exit_with_code_1_after_an_error(scenario: str, runs: int, tmp_path: str) -> None:
-    args = argparse.Namespace(scenario=scenario, wrapper="ours", timeout=60.0)
+    # A hang guard per run: two fresh interpreters import torch, about 25 s under load.
+    args = argparse.Namespace(scenario=scenario, wrapper="ours", timeout=150.0)
     for _ in range(runs):
         result = run_once(args, str(tmp_path))
         assert result["codes"] == [1, 1] and result["aborts"] == 0, result

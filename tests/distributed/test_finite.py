@@ -104,5 +104,5 @@ def _alone(rank: int, world: int) -> list[str]:
 
 
 def test_world_size_1_checks_the_grads() -> None:
-    (errors,) = run_ranks(_alone, 1, timeout=30)
+    (errors,) = run_ranks(_alone, 1, timeout=60)
     assert len(errors) == 1 and "on rank 0 in ['net.4.weight']" in errors[0], errors

@@ -18,7 +18,10 @@ from multirank import run_ranks
 
 STEPS = 5
 TRACED = 3
-EPS = 2e-3  # seconds: Python's own work between the clocks
+# Every figure comes from one perf_counter() clock, and each interval lies inside the next
+# (the exposed wait is part of the communication, which lies inside the backward): the
+# relations hold exactly, however slow the machine, up to floating-point rounding.
+ROUNDING = 1e-6  # seconds: far above the rounding, far below any timing
 
 
 def _train(rank: int, world: int, trace: str) -> dict[str, Any]:
@@ -45,7 +48,7 @@ def _train(rank: int, world: int, trace: str) -> dict[str, Any]:
         for t in timings:
             if not t.ready <= t.launched <= t.completed <= t.waited:
                 problems.append(f"step {step}: bucket {t.index} out of order: {t}")
-        if not stats.wait_seconds <= stats.comm_seconds + EPS <= backward + 2 * EPS:
+        if not stats.wait_seconds <= stats.comm_seconds + ROUNDING <= backward + 2 * ROUNDING:
             problems.append(
                 f"step {step}: exposed {stats.wait_seconds}, comm {stats.comm_seconds}, "
                 f"backward {backward}"
@@ -67,7 +70,7 @@ def test_bucket_timings_add_up_and_the_timeline_has_every_bucket(tmp_path: Path)
         logged = [f for f in r["figures"] if f is not None]
         assert len(logged) == 2  # every 2 synced steps, of the 4 after the first
         for f in logged:
-            assert 0 <= f["comm/exposed_wait_ms"] <= f["comm/total_ms"] + EPS * 1e3
+            assert 0 <= f["comm/exposed_wait_ms"] <= f["comm/total_ms"] + ROUNDING * 1e3
             assert f["comm/total_ms"] <= f["comm/step_ms"]
             assert f["comm/buckets"] == r["buckets"]
     events = json.loads(trace.read_text())["traceEvents"]

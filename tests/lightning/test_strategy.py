@@ -172,7 +172,8 @@ def test_comm_monitor_logs_consistent_figures_through_the_csv_logger(
     assert "bucketddp/plan:" in r0["comm_hparams"]
     for row in rows:
         f = {k: float(v) for k, v in row.items() if k.startswith("comm/") and v}
-        assert 0 <= f["comm/exposed_wait_ms"] <= f["comm/total_ms"] + 2.0
+        # One clock, nested intervals: exact however slow the machine, up to rounding (1 us).
+        assert 0 <= f["comm/exposed_wait_ms"] <= f["comm/total_ms"] + 1e-3
         assert f["comm/total_ms"] <= f["comm/step_ms"]
         assert 0 <= f["comm/hidden_ms"] <= f["comm/total_ms"]
         assert f["comm/buckets"] == 1  # BoringModel: one layer

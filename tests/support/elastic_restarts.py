@@ -29,5 +29,5 @@ with open(f"{out}/formed.rank{rank}", "a") as f:
 if attempt < last:
     if rank == attempt % dist.get_world_size():
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)  # until torchrun ends this attempt
+    time.sleep(3600)  # until torchrun ends this attempt, however long it takes to notice
 dist.destroy_process_group()

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from multirank import free_port
+from multirank import alive, free_port
 
 SCRIPT = Path(__file__).resolve().parent / "fault_script.py"
 WORLD_SIZE = 2
@@ -77,14 +77,6 @@ def start(
     return job
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def wait(jobs: list[Job], timeout: float) -> None:
     """Wait until every rank of every job exited, or ``timeout`` s; then kill what is left.
 
@@ -110,7 +102,7 @@ def wait(jobs: list[Job], timeout: float) -> None:
                     if pid is None and not job.exited_at.get(0):
                         running = True
                         continue
-                    if pid is not None and _alive(pid):
+                    if pid is not None and alive(pid):
                         running = True
                         continue
                 job.exited_at[rank] = time.time()
@@ -124,5 +116,5 @@ def wait(jobs: list[Job], timeout: float) -> None:
                 proc.wait()
         for rank in range(WORLD_SIZE):
             pid = job.pid(rank)
-            if pid is not None and _alive(pid):
+            if pid is not None and alive(pid):
                 os.kill(pid, signal.SIGKILL)

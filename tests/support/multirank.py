@@ -6,8 +6,8 @@ world_size, *args)`` on each and returns the per-rank results in rank order. A r
 raises fails the call with that rank's traceback; a run that outlives ``timeout`` seconds is
 killed and fails with the list of ranks still running, so a hang in the code under test
 shows up as a test failure. Either way the message carries the Python stack of every
-thread of a rank that hung (dumped just before it is killed) or died of a signal (an
-abort, a segfault), from ``faulthandler``.
+thread of a rank that hung (ended with SIGABRT, so that ``faulthandler`` writes them out
+before the rank dies) or died of a signal (an abort, a segfault).
 
 Processes come from a forkserver that has torch preloaded, so a rank starts in a fraction
 of a second instead of re-importing torch. ``MULTIRANK_PRELOAD`` (module names, comma
@@ -59,9 +59,34 @@ def raised(fn: Callable[[], object], kind: type[Exception] = RuntimeError) -> st
     return "nothing raised"
 
 
+HANG_GUARD = 60.0  # seconds: waits for an event that comes at once unless something hangs
+
+
+def _watchdogs() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "bucketddp-watchdog" and t.is_alive()]
+
+
 def watchdog_threads() -> int:
     """How many bucketddp watchdog threads run in this process (for lifetime checks)."""
-    return sum(t.name == "bucketddp-watchdog" and t.is_alive() for t in threading.enumerate())
+    return len(_watchdogs())
+
+
+def watchdog_threads_after_they_end(timeout: float = HANG_GUARD) -> int:
+    """Wait for every running watchdog thread to end (a hang guard of ``timeout`` s in all);
+    returns how many still run. For a watchdog that ends at its next beat by itself."""
+    deadline = time.monotonic() + timeout
+    for thread in _watchdogs():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return watchdog_threads()
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not; Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def free_port() -> int:
@@ -92,12 +117,10 @@ def _worker(
     # One intra-op thread per rank: the ranks share this machine's cores, and oversubscribed
     # threads would make a benchmark measure the scheduler rather than the code.
     torch.set_num_threads(1)
-    # Every thread's Python stack goes to stack_path if the rank dies of a signal, or when
-    # the parent asks (SIGUSR1) before killing a rank that hangs.
+    # Every thread's Python stack goes to stack_path if the rank dies of a signal, which is
+    # also how the parent ends a rank that hangs (SIGABRT).
     stacks = open(stack_path, "w")  # noqa: SIM115 (open until the process ends)
     faulthandler.enable(file=stacks, all_threads=True)
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -137,13 +160,17 @@ def _stacks(path: str) -> str:
 
 
 def _hung_stacks(procs: list[Any], paths: list[str], running: list[int]) -> str:
-    """Ask the hung ranks for their threads' stacks (SIGUSR1); returns them for the message."""
-    if not hasattr(signal, "SIGUSR1"):
-        return ""
+    """End the hung ranks with SIGABRT and return their threads' stacks for the message.
+
+    faulthandler writes every thread's stack before the signal ends the rank, so the
+    rank's exit is the sign that its stacks are complete.
+    """
     for rank in running:
         if procs[rank].is_alive() and procs[rank].pid is not None:
-            os.kill(procs[rank].pid, signal.SIGUSR1)
-    time.sleep(1.0)
+            os.kill(procs[rank].pid, signal.SIGABRT)
+    deadline = time.monotonic() + HANG_GUARD
+    for rank in running:
+        procs[rank].join(max(0.0, deadline - time.monotonic()))
     return "".join(f"\nrank {rank}:" + _stacks(paths[rank]) for rank in running)
 
 
@@ -173,7 +200,7 @@ def _receive(
             try:
                 results[rank] = recv.recv()
             except EOFError:
-                procs[rank].join(timeout=5.0)
+                procs[rank].join(HANG_GUARD)  # its pipe closed as it exited: at once
                 died = f"rank {rank} died (exit code {procs[rank].exitcode})"
                 results[rank] = ("error", died + _stacks(stack_paths[rank]))
 

@@ -3,7 +3,7 @@
 The ranks other than 0 reach rank 0's TCPStore through it. It forwards every connection
 at once until the file ``hold_after`` exists (the ranks create it once their process group
 has formed, however many connections that took), and holds every later one: accepted, but
-not forwarded until ``hold_s`` seconds have passed (``None``: until the proxy closes).
+not forwarded until the file ``release`` exists (``None``: until the proxy closes).
 That is what a store's host does while it resolves a new client's name on a slow name
 server, the cause of wrappers that hung in their construction.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 from pathlib import Path
 from types import TracebackType
 
@@ -30,10 +29,10 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
 class HoldingProxy:
     """Listens on ``port`` (free, loopback) and forwards to ``target_port`` (see module)."""
 
-    def __init__(self, target_port: int, hold_after: Path, hold_s: float | None) -> None:
+    def __init__(self, target_port: int, hold_after: Path, release: Path | None) -> None:
         self._target = target_port
         self._hold_after = hold_after
-        self._hold_s = hold_s
+        self._release = release
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -60,9 +59,9 @@ class HoldingProxy:
 
     def _serve(self, conn: socket.socket, hold: bool) -> None:
         if hold:
-            until = None if self._hold_s is None else time.monotonic() + self._hold_s
+            release = self._release
             while not self._closed.wait(0.05):
-                if until is not None and time.monotonic() >= until:
+                if release is not None and release.exists():
                     break
             if self._closed.is_set():
                 return
