@@ -115,7 +115,7 @@ def test_elastic_without_torchrun_says_it_takes_no_snapshots(tmp_path: Path) -> 
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=120,
+        timeout=300,
         env={k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")},
     )
     assert out.returncode == 0, out.stderr[-3000:]

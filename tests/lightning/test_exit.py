@@ -3,7 +3,8 @@
 A rank's watchdog starts with the wrapper and its thread makes store calls from then on.
 A process that exits while such a call is in flight used to end by SIGABRT ("terminate
 called without an active exception") about one job in three, and torchrun then reported
-the job FAILED. Twenty jobs, two at a time, must all exit 0 with no signal.
+the job FAILED. Ten jobs, two at a time, must all exit 0 with no signal; the count over
+hundreds of runs per entry point is ``python3 dev.py bench-exits``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from lightning_runs import SUPPORT, run_script
 
 pytest.importorskip("lightning")
 
-JOBS = 20
+JOBS = 10
 
 
 def _job(_: int) -> str:
@@ -29,9 +30,10 @@ def _job(_: int) -> str:
         "--nproc-per-node=2",
         str(SUPPORT / "exit_after_setup.py"),
     ]
-    return run_script(cmd, timeout=120)  # asserts exit 0 and no "terminate called"
+    return run_script(cmd, timeout=300)  # asserts exit 0 and no "terminate called"
 
 
+@pytest.mark.timeout(900)  # a hang guard: ten jobs on a busy 2-core machine
 def test_fabric_under_torchrun_exits_cleanly_right_after_setup() -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         outputs = list(pool.map(_job, range(JOBS)))

@@ -28,7 +28,7 @@ pytest.importorskip("lightning")
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("fabric")
-    results = run_ranks(all_runs, WORLD_SIZE, str(out), timeout=180)
+    results = run_ranks(all_runs, WORLD_SIZE, str(out), timeout=280)
     for r in results:
         r["out"] = out
     return results

@@ -240,4 +240,4 @@ def test_sync_batchnorm_without_a_batchnorm_layer_warns() -> None:
 
 @pytest.mark.parametrize("order", list(IMPORT_CHECKS))
 def test_import_order(order: str) -> None:
-    run_script([sys.executable, "-c", textwrap.dedent(IMPORT_CHECKS[order])], timeout=120)
+    run_script([sys.executable, "-c", textwrap.dedent(IMPORT_CHECKS[order])], timeout=300)
