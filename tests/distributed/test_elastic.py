@@ -13,24 +13,27 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from elastic_runs import done_twice, same_weights, torchrun
+from elastic_runs import assert_stopped_together, done_twice, same_weights, torchrun
 from lightning_runs import SUPPORT
 
 LOOP = SUPPORT / "elastic_loop.py"
 
 
 def test_a_killed_rank_costs_at_most_one_step_of_a_plain_loop(tmp_path: Path, shm: Path) -> None:
-    runs = {"straight": "-1", "epoch_end": "16", "mid_epoch": "11"}
+    runs = {"straight": "-1", "epoch_end": "16", "mid_epoch": "11", "sigterm": "13"}
     for name in runs:
         (tmp_path / name).mkdir()
 
     def run(name: str) -> str:
         env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm / name)}
+        if name == "sigterm":  # a notice: every rank stops after step 14, none done twice
+            env.update(ELASTIC_SIGNAL="TERM", ELASTIC_SIGNAL_RANK="1")
         return torchrun(LOOP, str(tmp_path / name), runs[name], env=env)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
-        list(pool.map(run, runs))
-    for name in ("epoch_end", "mid_epoch"):
+        outputs = dict(zip(runs, pool.map(run, runs), strict=True))
+    assert_stopped_together(tmp_path / "sigterm", outputs["sigterm"], stop=14)
+    for name in ("epoch_end", "mid_epoch", "sigterm"):
         out = tmp_path / name
         assert same_weights(out / "final.pt", tmp_path / "straight" / "final.pt"), name
         for rank in (0, 1):
