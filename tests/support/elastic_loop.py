@@ -53,7 +53,10 @@ def main(out: str, kill: int) -> None:
     init_process_group("gloo")
     rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 2))
+    width = int(os.environ.get("ELASTIC_WIDTH", "32"))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.Dropout(0.1), torch.nn.Linear(width, 2)
+    )
     model = BucketDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = dataset()
