@@ -53,10 +53,23 @@ def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path) -> None
         "fabric/straight": ("fabric", "-1"),
         "fabric/epoch_end": ("fabric", "16"),
         "fabric/mid_epoch": ("fabric", "11"),
+    }
+    _run_and_compare(tmp_path, shm, runs)
+
+
+def test_a_stop_signal_costs_no_step(tmp_path: Path, shm: Path) -> None:
+    runs = {
+        "trainer/straight": ("trainer", "-1"),
+        "fabric/straight": ("fabric", "-1"),
         "trainer/sigterm1": ("trainer", "13"),
         "trainer/sigterm0": ("trainer", "13"),
         "fabric/sigterm1": ("fabric", "13"),
     }
+    _run_and_compare(tmp_path, shm, runs)
+
+
+def _run_and_compare(tmp_path: Path, shm: Path, runs: dict[str, tuple[str, str]]) -> None:
+    """Run ``runs`` (name: mode, step), 3 at a time, and compare each with its straight run."""
     outputs: dict[str, str] = {}
 
     def run(name: str) -> None:
@@ -76,13 +89,14 @@ def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path) -> None
         out, family = tmp_path / name, name.split("/")[0]
         straight = tmp_path / ("fabric" if family == "fabric" else "trainer") / "straight"
         assert same_weights(out / "final.pt", straight / "final.pt"), name
-        assert "attempt 1" in (out / "steps.rank1").read_text(), f"{name} did not restart"
         for rank in (0, 1):
             assert len(done_twice(out, rank)) <= 1, (name, rank, done_twice(out, rank))
         written = sorted(p.name for p in out.iterdir())
         assert written == ["final.pt", "steps.rank0", "steps.rank1"], (name, written)
         if "sigterm" in name:
             assert_stopped_together(out, outputs[name], stop=14)
+        else:
+            assert "attempt 1" in (out / "steps.rank1").read_text(), f"{name} did not restart"
     assert not any(shm.glob("**/*.meta")), "snapshots left after a clean finish"
 
 
