@@ -135,7 +135,7 @@ def main() -> None:
     """Parse the arguments and run the job."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("mode", choices=["loop", "lightning"])
-    parser.add_argument("scenario", choices=["raise", "kill", "sleep", "none"])
+    parser.add_argument("scenario", choices=["raise", "kill", "sleep", "broadcast", "none"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--stall", type=float, default=600.0)
     parser.add_argument("--system", choices=["bucketddp", "torch"], default="bucketddp")

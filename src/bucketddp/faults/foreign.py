@@ -17,7 +17,12 @@ import torch.distributed
 
 _TORCH_DIST = os.path.dirname(torch.distributed.__file__) + os.sep
 _BUCKETDDP = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_C10D = os.sep + "distributed_c10d.py"
 _MAX_FRAMES = 200
+
+
+def _module(frame: FrameType) -> bool:
+    return frame.f_code.co_name == "<module>"
 
 
 def collective_of(thread_id: int | None) -> tuple[str, bool] | None:
@@ -26,7 +31,8 @@ def collective_of(thread_id: int | None) -> tuple[str, bool] | None:
     if thread_id is None:
         return None
     frame: FrameType | None = sys._current_frames().get(thread_id)
-    if frame is None or not frame.f_code.co_filename.startswith(_TORCH_DIST):
+    # The collectives' own module, inside a function (not importing torch.distributed).
+    if frame is None or not frame.f_code.co_filename.endswith(_C10D) or _module(frame):
         return None
     name = frame.f_code.co_name
     for _ in range(_MAX_FRAMES):

@@ -312,12 +312,13 @@ class Watchdog:
                 waiting = waiting or in_flight
                 detail = what
                 break
-        if not waiting and (found := collective_of(self._main_thread)) is not None:
-            # A collective the marks do not show: bucketddp did not launch it (a user's,
-            # or Lightning's SIGTERM handler's), or launched it unmarked.
-            what, ours = found
+        found = None if waiting else collective_of(self._main_thread)
+        if found is not None and not found[1]:
+            # A collective bucketddp did not launch (a user's, or Lightning's SIGTERM
+            # handler's): no mark shows it. (bucketddp's own unmarked ones, in setup, keep
+            # their phase: setup is not held to the stall timeout.)
             waiting = True
-            detail = what if ours else f"{what}: a collective bucketddp did not launch"
+            detail = f"{found[0]}: a collective bucketddp did not launch"
         return waiting, detail, p.idle()
 
     def _record(self, **extra: Any) -> dict[str, Any]:
