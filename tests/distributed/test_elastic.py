@@ -10,27 +10,34 @@ their process group (the agent's store keeps the last attempt's gloo addresses).
 
 from __future__ import annotations
 
+import os
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from elastic_runs import done_twice, same_weights, torchrun
-from lightning_runs import SUPPORT
+import pytest
+
+from elastic_runs import assert_stopped_together, done_twice, same_weights, standalone, torchrun
+from lightning_runs import ROOT, SUPPORT
 
 LOOP = SUPPORT / "elastic_loop.py"
 
 
 def test_a_killed_rank_costs_at_most_one_step_of_a_plain_loop(tmp_path: Path, shm: Path) -> None:
-    runs = {"straight": "-1", "epoch_end": "16", "mid_epoch": "11"}
+    runs = {"straight": "-1", "epoch_end": "16", "mid_epoch": "11", "sigterm": "13"}
     for name in runs:
         (tmp_path / name).mkdir()
 
     def run(name: str) -> str:
         env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm / name)}
+        if name == "sigterm":  # a notice: every rank stops after step 14, none done twice
+            env.update(ELASTIC_SIGNAL="TERM", ELASTIC_SIGNAL_RANK="1")
         return torchrun(LOOP, str(tmp_path / name), runs[name], env=env)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
-        list(pool.map(run, runs))
-    for name in ("epoch_end", "mid_epoch"):
+        outputs = dict(zip(runs, pool.map(run, runs), strict=True))
+    assert_stopped_together(tmp_path / "sigterm", outputs["sigterm"], stop=14)
+    for name in ("epoch_end", "mid_epoch", "sigterm"):
         out = tmp_path / name
         assert same_weights(out / "final.pt", tmp_path / "straight" / "final.pt"), name
         for rank in (0, 1):
@@ -47,3 +54,43 @@ def test_ten_restarts_in_a_row_each_form_their_group(tmp_path: Path) -> None:
     for rank in (0, 1):
         formed = (tmp_path / f"formed.rank{rank}").read_text().split("\n")
         assert [line for line in formed if line] == [f"formed {a}" for a in range(11)]
+
+
+def _refused(out: Path, folder: Path, width: str = "32") -> str:
+    """Run the loop with its snapshots in ``folder`` and no restart: it must fail before
+    its first step, on both ranks. Returns its output."""
+    env = {**os.environ, "BUCKETDDP_SNAPSHOT_DIR": str(folder), "ELASTIC_WIDTH": width}
+    run = subprocess.run(
+        [*standalone(0), str(LOOP), str(out), "-1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
+    )
+    text = run.stdout + run.stderr
+    assert run.returncode != 0, text[-3000:]
+    assert not list(out.glob("steps.rank*")), "a training step ran"
+    for rank in (0, 1):
+        assert f"rank {rank} (node 0)" in text, text[-3000:]
+    assert "SnapshotFolderError" in text and "BUCKETDDP_SNAPSHOT_DIR" in text, text[-3000:]
+    return text
+
+
+def test_a_bad_snapshot_folder_fails_every_rank_before_the_first_step(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    text = _refused(tmp_path, blocker / "snapshots")  # a folder that cannot be made
+    assert "cannot make the snapshot folder" in text, text[-3000:]
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)])
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        # About 180 KiB of parameters, and as much twice for the optimizer: no room for two.
+        text = _refused(tmp_path, small, width="4096")
+        assert "256.0 KiB free" in text and "two snapshots of this state need about" in text
+        assert "--shm-size" in text, text[-3000:]
+    finally:
+        subprocess.run(["umount", str(small)], check=True)

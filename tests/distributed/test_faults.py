@@ -39,12 +39,13 @@ def _gone(job: Job) -> list[str]:
 def test_a_failing_rank_ends_every_rank_naming_it(tmp_path: Path) -> None:
     cases = [(m, s) for m in ("loop", "lightning") for s in ("raise", "kill", "sleep")]
     cases.append(("spawn", "raise"))  # Lightning's spawn launcher: no on_exception in ranks
+    cases.append(("loop", "broadcast"))  # rank 1 waits in a collective bucketddp never made
     jobs = {
         (mode, scenario): start(
             "loop" if mode == "loop" else "lightning",
             scenario,
             tmp_path / f"{mode}-{scenario}",
-            stall=STALL if scenario == "sleep" else 600.0,
+            stall=STALL if scenario in ("sleep", "broadcast") else 600.0,
             start_method="spawn" if mode == "spawn" else "popen",
         )
         for mode, scenario in cases
@@ -71,6 +72,14 @@ def test_a_failing_rank_ends_every_rank_naming_it(tmp_path: Path) -> None:
                 if mode == "lightning"
                 else ["died without reporting an error", "killed by a signal or the OOM killer"]
             )
+        elif scenario == "broadcast":
+            # Both ranks wait; the report names rank 1's broadcast and its caller.
+            expect = ["rank 0 stops: no progress for over 4 s"]
+            expect += [
+                "in torch.distributed.broadcast, called from",
+                "fault_script.py",
+                "(fault): a collective bucketddp did not launch; waits on the others",
+            ]
         else:
             expect = ["rank 0 stops: no progress for over 4 s", "Stalled: rank 1 (host"]
             expect += ["Python stacks of rank 0", "Python stacks of rank 1", "fault_script.py"]

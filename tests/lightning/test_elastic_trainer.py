@@ -6,6 +6,10 @@
   weights of the fit that was never interrupted, bit for bit (dropout included), having
   done at most one step twice,
   written no file but the test's own, and left no snapshot behind.
+- SIGTERM (a preemption notice) to rank 1, or rank 0, of a Trainer fit, or to rank 1 of
+  the Fabric loop, once 13 steps are done: every rank stops after step 14 with a snapshot
+  of it, torchrun restarts them, and the job exits 0, bit-equal, with no step done twice
+  (and without waiting for ``stall_timeout``: Lightning's own handler never runs).
 - A node lost: two torchrun agents on this machine (``--nnodes=1:2``), one killed with its
   worker mid-epoch; the other goes on at world size 1, every epoch uses every row exactly
   once, and a ``"sum"`` buffer counts every row once.
@@ -24,7 +28,14 @@ from pathlib import Path
 
 import pytest
 
-from elastic_runs import agent, done_twice, same_weights, start, torchrun
+from elastic_runs import (
+    agent,
+    assert_stopped_together,
+    done_twice,
+    same_weights,
+    start,
+    torchrun,
+)
 from lightning_runs import SUPPORT
 from multirank import free_port
 
@@ -43,13 +54,32 @@ def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path) -> None
         "fabric/epoch_end": ("fabric", "16"),
         "fabric/mid_epoch": ("fabric", "11"),
     }
+    _run_and_compare(tmp_path, shm, runs)
+
+
+def test_a_stop_signal_costs_no_step(tmp_path: Path, shm: Path) -> None:
+    runs = {
+        "trainer/straight": ("trainer", "-1"),
+        "fabric/straight": ("fabric", "-1"),
+        "trainer/sigterm1": ("trainer", "13"),
+        "trainer/sigterm0": ("trainer", "13"),
+        "fabric/sigterm1": ("fabric", "13"),
+    }
+    _run_and_compare(tmp_path, shm, runs)
+
+
+def _run_and_compare(tmp_path: Path, shm: Path, runs: dict[str, tuple[str, str]]) -> None:
+    """Run ``runs`` (name: mode, step), 3 at a time, and compare each with its straight run."""
+    outputs: dict[str, str] = {}
 
     def run(name: str) -> None:
         out = tmp_path / name
         out.mkdir(parents=True)
         mode, kill = runs[name]
         env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm / name.replace("/", "-"))}
-        torchrun(SCRIPT, mode, str(out), kill, env=env)
+        if "sigterm" in name:
+            env.update(ELASTIC_SIGNAL="TERM", ELASTIC_SIGNAL_RANK=name[-1])
+        outputs[name] = torchrun(SCRIPT, mode, str(out), kill, env=env)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         list(pool.map(run, runs))
@@ -59,11 +89,14 @@ def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path) -> None
         out, family = tmp_path / name, name.split("/")[0]
         straight = tmp_path / ("fabric" if family == "fabric" else "trainer") / "straight"
         assert same_weights(out / "final.pt", straight / "final.pt"), name
-        assert "attempt 1" in (out / "steps.rank1").read_text(), f"{name} did not restart"
         for rank in (0, 1):
             assert len(done_twice(out, rank)) <= 1, (name, rank, done_twice(out, rank))
         written = sorted(p.name for p in out.iterdir())
         assert written == ["final.pt", "steps.rank0", "steps.rank1"], (name, written)
+        if "sigterm" in name:
+            assert_stopped_together(out, outputs[name], stop=14)
+        else:
+            assert "attempt 1" in (out / "steps.rank1").read_text(), f"{name} did not restart"
     assert not any(shm.glob("**/*.meta")), "snapshots left after a clean finish"
 
 

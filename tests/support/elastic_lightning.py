@@ -4,9 +4,10 @@
 epoch) with ``BucketDDP(elastic=True)`` and a plain DataLoader (``trainer``) or a
 StatefulDataLoader (``stateful``), or the same loop under Fabric with
 ``BucketFabricDDP(elastic=True)`` (``fabric``). In attempt 0, rank 1 kills itself
-(SIGKILL) when ``KILL`` steps are done. Each rank logs the steps it completes to
-``OUT/steps.rank<R>``; rank 0 saves the final weights to ``OUT/final.pt``. Nothing else is
-written: no logger, no checkpoint callback.
+(SIGKILL) when ``KILL`` steps are done; under ``ELASTIC_SIGNAL=TERM`` rank
+``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead (``elastic_loop.notice_due``).
+Each rank logs the steps it completes to ``OUT/steps.rank<R>``; rank 0 saves the final
+weights to ``OUT/final.pt``. Nothing else is written: no logger, no checkpoint callback.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.utils.data import DataLoader
 
 from bucketddp import BucketDDP, BucketFabricDDP
 from bucketddp.elastic import ElasticSampler
-from elastic_loop import BATCH, EPOCHS, dataset
+from elastic_loop import BATCH, EPOCHS, dataset, notice_due
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -37,6 +38,8 @@ def _net() -> torch.nn.Module:
 
 
 def _kill_if_due(rank: int, done: int, kill: int) -> None:
+    if notice_due(rank, done, kill):
+        return
     if ATTEMPT == 0 and rank == 1 and done == kill:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -52,10 +55,6 @@ class Module(pl.LightningModule):
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
-    def on_train_batch_end(self, *args: Any) -> None:
-        with open(f"{self.out}/steps.rank{self.global_rank}", "a") as log:
-            print(f"step {self.trainer.global_step} attempt {ATTEMPT}", file=log)
-
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
@@ -67,6 +66,17 @@ class Module(pl.LightningModule):
         return DataLoader(dataset(), batch_size=BATCH)
 
 
+class StepLog(pl.Callback):
+    """Logs each step done; a user's callback, so it runs before BucketDDP's snapshot one."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        with open(f"{self.out}/steps.rank{trainer.global_rank}", "a") as log:
+            print(f"step {trainer.global_step} attempt {ATTEMPT}", file=log)
+
+
 def trainer(out: str, kill: int, stateful: bool) -> None:
     model = Module(out, kill, stateful)
     fit = pl.Trainer(
@@ -74,6 +84,7 @@ def trainer(out: str, kill: int, stateful: bool) -> None:
         devices=2,
         strategy=BucketDDP(elastic=True),
         max_steps=EPOCHS * 8,
+        callbacks=[StepLog(out)],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

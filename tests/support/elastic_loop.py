@@ -2,10 +2,12 @@
 
 Three epochs of 8 steps on 2 ranks (a shuffled ElasticSampler). In attempt 0, rank 1 kills
 itself (SIGKILL) when ``kill`` steps are done; torchrun restarts both workers and the loop
-resumes from the newest snapshot. Each rank logs every step it completes (and the attempt)
-to ``<out>/steps.rank<R>``; rank 0 saves the final weights to ``<out>/final.pt``. Under
-``ELASTIC_PLANT=1`` the job runs with umask 0, and rank 0 plants files in its snapshot
-folder and records its modes (``elastic_planted.py``).
+resumes from the newest snapshot. Under ``ELASTIC_SIGNAL=TERM``, rank
+``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead (``notice_due``). Each rank logs
+every step it completes (and the attempt) to ``<out>/steps.rank<R>``; rank 0 saves the
+final weights to ``<out>/final.pt``. Under ``ELASTIC_PLANT=1`` the job runs with umask 0,
+and rank 0 plants files in its snapshot folder and records its modes
+(``elastic_planted.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,18 @@ def dataset() -> TensorDataset:
     return TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g))
 
 
+def notice_due(rank: int, done: int, kill: int) -> bool:
+    """Under ``ELASTIC_SIGNAL=TERM``: whether this is the step at which this rank sends
+    itself SIGTERM in attempt 0 (it then does)."""
+    if os.environ.get("ELASTIC_SIGNAL") != "TERM":
+        return False
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    victim = int(os.environ.get("ELASTIC_SIGNAL_RANK", "1"))
+    if attempt == 0 and rank == victim and done == kill:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: training goes on to the stop
+    return True
+
+
 def main(out: str, kill: int) -> None:
     torch.set_num_threads(1)
     plant = os.environ.get("ELASTIC_PLANT") == "1"
@@ -39,7 +53,10 @@ def main(out: str, kill: int) -> None:
     init_process_group("gloo")
     rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 2))
+    width = int(os.environ.get("ELASTIC_WIDTH", "32"))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.Dropout(0.1), torch.nn.Linear(width, 2)
+    )
     model = BucketDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = dataset()
@@ -54,7 +71,9 @@ def main(out: str, kill: int) -> None:
         while state["epoch"] < EPOCHS:
             sampler.set_epoch(state["epoch"])
             for x, y in loader:
-                if attempt == 0 and rank == 1 and job.steps == kill:
+                if notice_due(rank, job.steps, kill):
+                    pass
+                elif attempt == 0 and rank == 1 and job.steps == kill:
                     os.kill(os.getpid(), signal.SIGKILL)
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()

@@ -99,3 +99,26 @@ def same_weights(a: Path, b: Path) -> bool:
     """Whether two saved state dicts are bit-equal."""
     x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def steps_by_attempt(out: Path, rank: int) -> dict[int, list[int]]:
+    """The steps rank ``rank`` completed in each attempt, in order (from its step log)."""
+    found: dict[int, list[int]] = {}
+    for line in (out / f"steps.rank{rank}").read_text().splitlines():
+        if line.startswith("step "):
+            _, step, _, attempt = line.split()
+            found.setdefault(int(attempt), []).append(int(step))
+    return found
+
+
+def assert_stopped_together(out: Path, output: str, stop: int, total: int = 24) -> None:
+    """After a stop signal in attempt 0: every rank did steps 1..``stop`` in attempt 0 and
+    ``stop``+1..``total`` in attempt 1 (none twice, none lost), and said where it stopped."""
+    for rank in (0, 1):
+        steps = steps_by_attempt(out, rank)
+        assert steps == {0: list(range(1, stop + 1)), 1: list(range(stop + 1, total + 1))}, (
+            rank,
+            steps,
+        )
+    assert f"every rank stops after step {stop}," in output, output[-4000:]
+    assert "stall_timeout" not in output, output[-4000:]

@@ -5,7 +5,8 @@
 MODE is ``loop`` (a hand-written loop; start one process per rank with RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT set, as torchrun does) or ``lightning`` (start rank 0 only;
 Lightning's launcher starts the others). SCENARIO is what rank 1 does at step 5:
-``raise`` (ValueError), ``kill`` (SIGKILL to itself), ``sleep`` (forever) or ``none``.
+``raise`` (ValueError), ``kill`` (SIGKILL to itself), ``sleep`` (forever), ``broadcast``
+(a ``dist.broadcast`` of its own, on a side group, that rank 0 never joins) or ``none``.
 Each rank writes ``OUT/rank<r>.json`` (its pid) when it starts, and rank 1 writes
 ``OUT/fault.json`` (the time) just before its fault.
 """
@@ -26,6 +27,7 @@ from torch import nn
 
 STEPS = 40
 FAULT_STEP = 5
+SIDE: list[dist.ProcessGroup | None] = [None]  # the side group of ``broadcast``
 
 
 def _write(path: Path, record: dict[str, float]) -> None:
@@ -44,6 +46,8 @@ def fault(scenario: str, out: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if scenario == "sleep":
         time.sleep(3600)
+    if scenario == "broadcast":
+        dist.broadcast(torch.zeros(1), src=0, group=SIDE[0])  # rank 0 never comes
 
 
 def model() -> nn.Module:
@@ -59,6 +63,7 @@ def loop(args: argparse.Namespace) -> None:
     """A hand-written loop: BucketDataParallel (or torch DDP) on gloo."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    SIDE[0] = dist.new_group(backend="gloo")
     started(rank, args.out)
     if args.system == "torch":
         wrapped: nn.Module = nn.parallel.DistributedDataParallel(model())
@@ -130,7 +135,7 @@ def main() -> None:
     """Parse the arguments and run the job."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("mode", choices=["loop", "lightning"])
-    parser.add_argument("scenario", choices=["raise", "kill", "sleep", "none"])
+    parser.add_argument("scenario", choices=["raise", "kill", "sleep", "broadcast", "none"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--stall", type=float, default=600.0)
     parser.add_argument("--system", choices=["bucketddp", "torch"], default="bucketddp")

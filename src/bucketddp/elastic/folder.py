@@ -145,6 +145,10 @@ class Folder:
         try:
             if create:
                 os.ftruncate(fd, nbytes)
+                if nbytes:
+                    # Its pages now, so that a full tmpfs is an ENOSPC here, not a SIGBUS
+                    # at the first write into the mapping.
+                    os.posix_fallocate(fd, 0, nbytes)
             elif os.fstat(fd).st_size < nbytes:
                 raise OSError(f"{self.path / name} is shorter than {nbytes} bytes")
             if nbytes == 0:
@@ -158,6 +162,14 @@ class Folder:
         """Remove file ``name`` if it exists."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self._fd)
+
+    def bytes_held(self) -> int:
+        """The bytes the folder's files take."""
+        total = 0
+        for name in self.names():
+            with contextlib.suppress(OSError):
+                total += os.stat(name, dir_fd=self._fd, follow_symlinks=False).st_blocks * 512
+        return total
 
     def remove_all(self) -> None:
         """Remove every file in the folder, then the folder if it is left empty."""

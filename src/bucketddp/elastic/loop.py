@@ -10,10 +10,12 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from ..notice import NOTICE
 from ..parallel import BucketDataParallel
-from . import rng
+from . import rng, room
 from .job import NOT_UNDER_TORCHRUN, under_torchrun
 from .sampler import ElasticSampler, EpochPosition
 from .session import Session, check_every
@@ -68,6 +70,11 @@ class Elastic:
             world size, the epoch goes on with the samples no rank has used yet.
         batch_size: samples per rank per batch (needed with ``sampler``).
         group: the process group (the default one if None).
+        signals: the signals that stop every rank together after the current step, with a
+            snapshot of it (``"SIGTERM,SIGUSR1"``, or ``"none"``); if None,
+            ``BUCKETDDP_STOP_SIGNALS``, else SIGTERM and SIGUSR1. The notice rides on the
+            wrapper's own all-reduce; with no ``BucketDataParallel`` in ``state`` it costs
+            one small all-reduce per step.
 
     Outside torchrun, nothing would restart the workers: it warns once and takes no
     snapshots (``resume()`` returns False), so the same script runs anywhere.
@@ -81,6 +88,7 @@ class Elastic:
         sampler: ElasticSampler | None = None,
         batch_size: int | None = None,
         group: dist.ProcessGroup | None = None,
+        signals: str | None = None,
     ) -> None:
         if sampler is not None and (batch_size is None or batch_size < 1):
             raise ValueError(
@@ -89,7 +97,8 @@ class Elastic:
         self.state = state
         self.session: Session | None = None
         if under_torchrun():
-            self.session = Session(every, group)
+            self.session = Session(every, group, signals)
+            self.session.listen()
         else:
             check_every(every)
             warnings.warn(NOT_UNDER_TORCHRUN, stacklevel=2)
@@ -102,7 +111,8 @@ class Elastic:
     def resume(self) -> bool:
         """Restore the newest snapshot, if any node has one; returns whether it did. Call it
         on every rank, once, after the model and optimizers exist and before training."""
-        restored = self.session.restore() if self.session is not None else None
+        session = self.session
+        restored = session.restore(room.estimate(self.state.values())) if session else None
         if restored is None:
             return False
         saved = restored.state
@@ -134,7 +144,11 @@ class Elastic:
         per rank; takes a snapshot when one is due."""
         self.steps += 1
         position = self._advance(batches)
-        if self.session is None or not self.session.due(self.steps):
+        if self.session is None:
+            return
+        if not any(wrapper_of(v) is not None for v in self.state.values()):
+            self._agree_on_notice()
+        if not self.session.due(self.steps):
             return
         saved: dict[str, Any] = {"state": {}, "plans": {}, "steps": self.steps}
         own: dict[str, Any] = {"rng": rng.capture(), "rank_local": {}}
@@ -147,6 +161,18 @@ class Elastic:
             saved["state"][name] = value.state_dict() if hasattr(value, "state_dict") else value
         saved["position"] = position
         self.session.take(self.steps, saved, own)
+        if NOTICE.agreed:
+            self.session.stop(self.steps)
+
+    def _agree_on_notice(self) -> None:
+        # No wrapper's row carried the stop flag this step: an all-reduce of its own.
+        assert self.session is not None
+        if dist.get_world_size(self.session.group) > 1:
+            flag = torch.tensor([float(NOTICE.pending)])
+            dist.all_reduce(flag, group=self.session.group)
+            NOTICE.heard(float(flag.item()))
+        else:
+            NOTICE.heard(float(NOTICE.pending))
 
     def _advance(self, batches: int) -> EpochPosition | None:
         sampler = self.sampler

@@ -10,10 +10,12 @@ knows the job (``job.py``), opens and checks the node's private snapshot folder
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
+from ..notice import NOTICE, Preempted, stop_signals
+from . import room
 from .files import data_name, scan
 from .folder import Folder, UnsafeFolder
 from .job import Job
@@ -22,6 +24,10 @@ from .secret import job_key
 from .snapshots import Writer
 
 FIX = "set BUCKETDDP_SNAPSHOT_DIR to a folder of your own"
+
+
+class SnapshotFolderError(RuntimeError):
+    """The snapshot folder cannot be made or written, or has no room for two snapshots."""
 
 
 def check_every(every: object) -> int:
@@ -34,8 +40,11 @@ def check_every(every: object) -> int:
 class Session:
     """Snapshots and resume for this process (needs torchrun; see ``Job.from_env``)."""
 
-    def __init__(self, every: int = 1, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, every: int = 1, group: dist.ProcessGroup | None = None, signals: str | None = None
+    ) -> None:
         self.every = check_every(every)
+        self.signals = stop_signals(signals)
         self.job = Job.from_env()
         self.group = group
         self._writer: Writer | None = None
@@ -63,8 +72,29 @@ class Session:
         return folder, self._key
 
     def due(self, step: int) -> bool:
-        """Whether a snapshot is due after ``step`` steps."""
-        return step % self.every == 0
+        """Whether a snapshot is due after ``step`` steps (always when the ranks stop)."""
+        return step % self.every == 0 or NOTICE.agreed
+
+    def listen(self) -> None:
+        """Take over the stop signals (``notice.py``) while training."""
+        NOTICE.install(self.signals)
+
+    def stop(self, step: int) -> NoReturn:
+        """The ranks agreed to stop after ``step``, whose snapshot this rank took: wait until
+        it is written, then until every rank's is (a barrier, once), and raise
+        ``Preempted``."""
+        if self._writer is not None:
+            self._writer.wait()
+        dist.barrier(group=self.group)
+        if NOTICE.pending or self.job.rank == 0:
+            got = f"got signal {NOTICE.signum}; " if NOTICE.pending else ""
+            print(
+                f"bucketddp: rank {self.job.rank} {got}every rank stops after step {step}, "
+                "whose snapshot the restart resumes from",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise Preempted(NOTICE.exit_code())
 
     def take(self, step: int, state: Any, own: Any = None) -> None:
         """Write this rank's share of the snapshot of ``step`` (the write finishes in the
@@ -88,25 +118,35 @@ class Session:
                     folder.remove(data_name(meta["name"]))
         self._older_attempts_left = False
 
-    def check_folders(self) -> None:
-        """Check this node's snapshot folder, and agree: if any rank's fails its check,
-        every rank raises ``UnsafeFolder`` naming it. A collective."""
-        problem = None
+    def check_folders(self, need: int = 0) -> None:
+        """Check this node's snapshot folder: private (``folder.py``), writable, with room
+        for two snapshots of ``need`` bytes (``room.py``); and agree: if any rank's fails,
+        every rank raises (``UnsafeFolder``, else ``SnapshotFolderError``) naming it, before
+        training. A collective."""
+        problem, unsafe = None, False
         try:
-            self._open_folder()
+            problem = room.problem(self._open_folder(), need)
         except UnsafeFolder as e:
-            problem = f"rank {self.job.rank} (node {self.job.node}): {e}"
+            problem, unsafe = str(e), True
+        except OSError as e:  # the folder cannot be made
+            problem = (
+                f"cannot make the snapshot folder {self.job.directory()} ({e}): set "
+                "BUCKETDDP_SNAPSHOT_DIR to a folder this user can write (default /dev/shm)"
+            )
+        if problem is not None:
+            problem = f"rank {self.job.rank} (node {self.job.node}): {problem}"
         everyone: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, problem, group=self.group)
-        found = [p for p in everyone if p is not None]
+        dist.all_gather_object(everyone, (problem, unsafe), group=self.group)
+        found = [p for p, _ in everyone if p is not None]
         if found:
-            raise UnsafeFolder("\n".join(found))
+            kind = UnsafeFolder if any(u for _, u in everyone) else SnapshotFolderError
+            raise kind("bucketddp: elastic training cannot start:\n" + "\n".join(found))
 
-    def restore(self) -> Restored | None:
+    def restore(self, need: int = 0) -> Restored | None:
         """The newest readable snapshot of this job, agreed on and sent to every rank; None
-        when there is none. A collective; first checks every rank's folder
-        (``check_folders``)."""
-        self.check_folders()
+        when there is none. A collective; first checks every rank's folder, with room for
+        two snapshots of ``need`` bytes (``check_folders``)."""
+        self.check_folders(need)
         folder, key = self._open()
         restored = restore(self.job, folder, key, self.group)
         if restored is not None:
@@ -130,6 +170,7 @@ class Session:
             dist.barrier(group=self.group)
         if self.job.local_rank == 0:
             self._open_folder().remove_all()
+        NOTICE.uninstall()
         if self._folder is not None:
             self._folder.close()
             self._folder = None

@@ -18,6 +18,7 @@ then a snapshot is one ``copy_`` per tensor of the share, with no per-tensor sli
 from __future__ import annotations
 
 import atexit
+import errno
 import io
 import queue
 import threading
@@ -31,6 +32,7 @@ from ..checkpoint import TensorMeta, split_tensors
 from .files import Part, checksum, write_meta
 from .folder import Folder
 from .job import Job
+from .room import no_room
 
 ALIGN = 64  # bytes: every tensor starts on such a boundary in a data file
 FORMAT = 1
@@ -163,7 +165,13 @@ class Writer:
     def _map(self, slot: int, part: Part, nbytes: int) -> torch.Tensor:
         mapped = self._maps.get(slot)
         if mapped is None or mapped.numel() != nbytes:
-            self._maps[slot] = mapped = map_bytes(self.folder, part.name("data"), nbytes)
+            try:
+                mapped = map_bytes(self.folder, part.name("data"), nbytes)
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                raise no_room(self.folder.path, nbytes, e) from None
+            self._maps[slot] = mapped
             self._views.pop(slot, None)
         return mapped
 

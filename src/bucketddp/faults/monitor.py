@@ -34,10 +34,12 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from ..notice import Preempted
 from ..reducer.inflight import describe
 from ..reducer.state import ReducerState
 from . import progress as prog
 from .board import CONNECT_TIMEOUT, Board, default_store
+from .foreign import collective_of
 from .report import RankFailedError, RankStalledError, failed_message, stall_message
 
 INTERVAL = 0.5  # seconds between heartbeats
@@ -107,6 +109,7 @@ class Watchdog:
         self._beats = 0
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
+        self._main_thread = self._main  # whose frames ``state`` reads
         self._previous_hook = sys.excepthook
         self._previous_signal: Any = None
         if INTERRUPT is not None and threading.current_thread() is threading.main_thread():
@@ -135,8 +138,8 @@ class Watchdog:
             explained = self.explain()
             if explained:
                 _note(exc, f"bucketddp: {explained}")
-        if isinstance(exc, SystemExit) and exc.code in (None, 0):
-            return
+        if (isinstance(exc, SystemExit) and exc.code in (None, 0)) or isinstance(exc, Preempted):
+            return  # a clean exit, or every rank stopping together on a notice
         record = self._record(kind="raised", secondary=secondary)
         record.update(type=type(exc).__name__, message=str(exc)[:2000])
         # A failure in the first moments may come before the connection is open.
@@ -309,6 +312,13 @@ class Watchdog:
                 waiting = waiting or in_flight
                 detail = what
                 break
+        found = None if waiting else collective_of(self._main_thread)
+        if found is not None and not found[1]:
+            # A collective bucketddp did not launch (a user's, or Lightning's SIGTERM
+            # handler's): no mark shows it. (bucketddp's own unmarked ones, in setup, keep
+            # their phase: setup is not held to the stall timeout.)
+            waiting = True
+            detail = f"{found[0]}: a collective bucketddp did not launch"
         return waiting, detail, p.idle()
 
     def _record(self, **extra: Any) -> dict[str, Any]:

@@ -280,7 +280,10 @@ class BucketDDP(DDPStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        """DDPStrategy's barrier, marked as a collective for the stall check."""
+        """DDPStrategy's barrier, marked as a collective for the stall check. Under
+        ``elastic=True``, the fit's first (``"run-stage"``) takes the stop signals over."""
+        if name == "run-stage" and self._elastic is not None and self.lightning_module is not None:
+            self._elastic.listen(self.lightning_module.trainer)
         with PROGRESS.during(COLLECTIVE, f"barrier {name}" if name else "barrier"):
             super().barrier(name)
 

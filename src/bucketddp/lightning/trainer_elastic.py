@@ -14,7 +14,12 @@ to the Trainer, through the strategy's hooks and one callback:
   ``ModelCheckpoint(every_n_train_steps=...)`` saves), the checkpoint Lightning would save
   goes to shared memory instead, with each rank's RNG states and rank-local buffers;
 - the first training step after a resume puts those back; a fit that ends normally removes
-  the job's snapshots.
+  the job's snapshots;
+- a stop signal (SIGTERM, SIGUSR1: ``bucketddp.notice``) on any rank stops every rank after
+  the same step, with a snapshot of it. Lightning's own SIGTERM handler is replaced for the
+  fit: in Lightning 2.6 it broadcasts inside the handler, on the signalled rank alone, and
+  hangs the job (Lightning issues #20806, #20825). Lightning registers its handlers just
+  before its first ``strategy.barrier("run-stage")``; ``listen`` takes them over there.
 
 Like ``trainer.py``, it imports Lightning. The private Lightning name it
 uses is ``trainer._checkpoint_connector.dump_checkpoint`` (what ``trainer.save_checkpoint``
@@ -30,12 +35,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 
-from ..elastic import rng
+from ..elastic import rng, room
 from ..elastic.job import NOT_UNDER_TORCHRUN, under_torchrun
 from ..elastic.loop import load_rank_local, rank_local_buffers
 from ..elastic.resume import Restored
 from ..elastic.sampler import ElasticSampler
 from ..elastic.session import Session
+from ..notice import NOTICE
 from ..parallel import BucketDataParallel
 
 TOKEN = "bucketddp-elastic://newest-snapshot"
@@ -94,7 +100,10 @@ class TrainerElastic:
             self.session = Session(self.every)
         if not any(isinstance(c, _Snapshots) for c in trainer.callbacks):
             trainer.callbacks.append(_Snapshots(self))
-        self.restored = self.session.restore()
+        # Before optimizers exist: the module, and two tensors per parameter for them.
+        module = strategy.lightning_module
+        need = room.estimate([module]) + 2 * room.estimate(module.parameters())
+        self.restored = self.session.restore(need)
         if self.restored is None:
             return
         self._own = self.restored.own
@@ -161,7 +170,11 @@ class TrainerElastic:
         """After an optimizer step, if a snapshot is due: take it."""
         step = trainer.global_step
         session = self.session
-        if session is None or step == self._last_step or not session.due(step):
+        if session is None or not session.due(step):
+            return
+        if step == self._last_step:
+            if NOTICE.agreed:  # the snapshot of this step is there already
+                session.stop(step)
             return
         self._last_step = step
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
@@ -180,6 +193,14 @@ class TrainerElastic:
             }
         own = {"rng": rng.capture(), "rank_local": rank_local_buffers(wrapped)}
         session.take(step, checkpoint, own)
+        if NOTICE.agreed:
+            session.stop(step)
+
+    def listen(self, trainer: Any) -> None:
+        """While fitting, the stop signals are ours (not Lightning's: see the module
+        docstring)."""
+        if self.session is not None and trainer.training:
+            self.session.listen()
 
     def finish(self) -> None:
         """The fit ended normally: remove the job's snapshots."""
@@ -192,6 +213,10 @@ class _Snapshots(Callback):
 
     def __init__(self, elastic: TrainerElastic) -> None:
         self.elastic = elastic
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """The stop signals are ours (again, should Lightning have registered its own)."""
+        self.elastic.listen(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         """Snapshot after an optimizer step, when one is due."""

@@ -20,6 +20,8 @@ The bucket's all-reduce sums the rows, so after it every rank reads the same tot
 - **buffers changed**: the ranks whose synced buffers no longer have the shape and dtype
   the ranks agreed on. Then every rank compares its buffers and adopts the new layout if
   every rank has it, or raises.
+- **stop**: the ranks that got a stop signal (``notice.py``). Any makes every rank stop
+  at this step's boundary.
 - **extra**, only with ``check_finite=True``: slots per rank, each rank writing its own,
   for the non-finite gradients it found (see ``finite.py``).
 
@@ -37,9 +39,12 @@ from collections.abc import Sequence
 
 import torch
 
+from ..notice import NOTICE
 from . import errors
 from .module_changes import changed_message
 from .state import ReducerState
+
+FLAGS = 3  # after requires_grad per model parameter: module changed, buffers changed, stop
 
 
 def row_count(dtype: torch.dtype, world_size: int) -> int:
@@ -64,7 +69,7 @@ class AgreementRow:
         """``area`` is the last bucket's row area; ``members`` the planned model parameters;
         ``extra`` the slots of the finite check."""
         self.planned = planned
-        self.flags = len(reducer.all_params) + 2  # the agreement part
+        self.flags = len(reducer.all_params) + FLAGS  # the agreement part
         self.width = planned + self.flags + extra
         self.rank = reducer.rank
         self.bind(area)
@@ -94,7 +99,7 @@ class AgreementRow:
         dtype: torch.dtype, planned: int, model_params: int, world_size: int, extra: int = 0
     ) -> int:
         """The size of the row area for a last bucket of ``dtype``."""
-        return row_count(dtype, world_size) * (planned + model_params + 2 + extra)
+        return row_count(dtype, world_size) * (planned + model_params + FLAGS + extra)
 
     def bind(self, area: torch.Tensor | None) -> None:
         """Take this rank's views from ``area`` (after the last bucket's storage moved)."""
@@ -114,7 +119,7 @@ class AgreementRow:
         """Write this rank's row for the step ``r`` just finished locally.
 
         ``changes``: a parameter outside the plan requires a gradient, the module changed,
-        or the buffers changed here.
+        the buffers changed here, or this rank got a stop signal.
         """
         n = self.planned
         if len(self.table) > 1:
@@ -156,10 +161,11 @@ class AgreementRow:
 
 
 def write_agreement(agreement: torch.Tensor, r: ReducerState) -> None:
-    """This rank's agreement part: requires_grad per model parameter, then the two changes."""
+    """This rank's agreement part: requires_grad per model parameter, the two changes, and
+    whether this rank got a stop signal."""
     local = [p.requires_grad for p in r.all_params]
     changes = [r.module_changes is not None and r.module_changes.reported, r.buffers_changed()]
-    agreement.copy_(torch.tensor([*local, *changes], dtype=agreement.dtype))
+    agreement.copy_(torch.tensor([*local, *changes, NOTICE.pending], dtype=agreement.dtype))
 
 
 def check(
@@ -174,8 +180,9 @@ def check(
     frozen: list[bool] | None = None
     joined: list[int] = []
     if not torch.equal(agreement, r.row.agreed_summed):
-        flags = len(r.all_params) + 2
-        *ranks, changed, buffers = [round(c) for c in agreement[:flags].tolist()]
+        flags = len(r.all_params) + FLAGS
+        *ranks, changed, buffers, stop = [round(c) for c in agreement[:flags].tolist()]
+        NOTICE.heard(stop)
         if changed:
             return changed_message(r.module_changes, changed, r.world_size), None, []
         if buffers and r.buffer_layout is not None:
@@ -202,6 +209,7 @@ def check(
 
 def check_local(r: ReducerState) -> tuple[str | None, list[int]]:
     """World size 1, no row: the same contract; returns (error, joining parameters)."""
+    NOTICE.heard(NOTICE.pending)
     if r.module_changes is not None and r.module_changes.reported:
         return changed_message(r.module_changes, 1, r.world_size), []
     if r.finite is not None and (error := r.finite.local_error()):

@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..buckets import cap_bytes
 from ..comm_hooks import CommHook
+from ..notice import NOTICE
 from . import errors, layout
 from .agreement import check, check_local
 from .autograd import COMPILED_AUTOGRAD, Once, compiled_autograd
@@ -313,6 +314,7 @@ class Reducer(ReducerState):
             (self.frozen_watch is not None and self.frozen_watch.trainable)
             or (self.module_changes is not None and self.module_changes.reported)
             or self.buffers_changed()
+            or NOTICE.pending
         )
         self.row.write(self, changes=changes)
 
