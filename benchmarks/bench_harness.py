@@ -44,7 +44,7 @@ if str(SUPPORT) not in sys.path:
 from bf16 import bf16_allreduce_hook  # noqa: E402  (tests/support/bf16.py)
 from multirank import run_ranks  # noqa: E402, F401  (re-exported to the benchmarks)
 
-RANKS_TIMEOUT = 900.0
+RANKS_TIMEOUT = 2400.0
 """Seconds one ``run_ranks`` call of a benchmark may take: a whole model's timing run."""
 
 SYSTEMS = ("local", "torch_ddp", "bucketddp")
