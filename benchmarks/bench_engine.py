@@ -59,6 +59,7 @@ from bench_harness import (
     Config,
     Variant,
     add_run_options,
+    hooked_systems,
     loadavg,
     parse_variant,
     run_meta,
@@ -150,6 +151,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--comm-hook",
         choices=list(COMM_HOOKS),
         help="a communication hook of torch's, registered on both wrappers (default: none)",
+    )
+    p.add_argument(
+        "--hooks",
+        nargs="*",
+        choices=list(COMM_HOOKS),
+        default=list(COMM_HOOKS),
+        help="at world size 2, also time torch DDP and bucketddp with each of these hooks, "
+        "as systems of their own in the same rounds, such as bucketddp+fp16 (default: "
+        f"{' '.join(COMM_HOOKS)}; none without a value)",
     )
     p.add_argument(
         "--device",
@@ -271,6 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "memory_repeats": args.memory_repeats,
             "null": args.null,
             "overheads": args.overheads,
+            "hooks": args.hooks,
         },
     }
     print(
@@ -286,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(bucketddp only)"
         )
     if cfg.comm_hook is not None:
-        print(f"communication hook: {COMM_HOOKS[cfg.comm_hook].__name__} (both wrappers)")
+        print(f"communication hook: {cfg.comm_hook} (both wrappers)")
 
     memory: dict[str, dict[str, Any]] = {}
     if 2 in args.world_size and not args.no_memory:
@@ -296,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["memory_world_size_2"] = memory
 
     variants = tuple(name for name, _ in cfg.variants)
-    timed = (*SYSTEMS, ALLREDUCE, *variants, *([NULL_SYSTEM] if args.null else []))
+    hooked = tuple(hooked_systems(args.hooks))
+    timed = (*SYSTEMS, ALLREDUCE, *hooked, *variants, *([NULL_SYSTEM] if args.null else []))
     sections = [(n, args.models, timed) for n in args.world_size if n >= 2]
     if 1 in args.world_size:
         sections.append((1, args.ws1_models, (*SYSTEMS, *variants)))

@@ -19,7 +19,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 import bucketddp
@@ -41,9 +41,10 @@ from models import MODELS, Batch, ModelSpec, count_parameters, count_tensors, lo
 SUPPORT = Path(__file__).resolve().parents[1] / "tests" / "support"
 if str(SUPPORT) not in sys.path:
     sys.path.append(str(SUPPORT))
+from bf16 import bf16_allreduce_hook  # noqa: E402  (tests/support/bf16.py)
 from multirank import run_ranks  # noqa: E402, F401  (re-exported to the benchmarks)
 
-RANKS_TIMEOUT = 900.0
+RANKS_TIMEOUT = 2400.0
 """Seconds one ``run_ranks`` call of a benchmark may take: a whole model's timing run."""
 
 SYSTEMS = ("local", "torch_ddp", "bucketddp")
@@ -130,11 +131,39 @@ def parse_variant(text: str) -> Variant:
     return name, tuple(options)
 
 
-COMM_HOOKS = {
-    "allreduce": default_hooks.allreduce_hook,
-    "fp16": default_hooks.fp16_compress_hook,
+def _powersgd(torch_ddp: bool) -> tuple[Any, Any]:
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+    )
+    return state, powerSGD_hook.powerSGD_hook
+
+
+COMM_HOOKS: dict[str, Callable[[bool], tuple[Any, Any]]] = {
+    "fp16": lambda torch_ddp: (None, default_hooks.fp16_compress_hook),
+    # torch DDP refuses torch's bf16 hook by name without NCCL; on gloo it runs the same
+    # arithmetic under another name (tests/support/bf16.py).
+    "bf16": lambda torch_ddp: (
+        None,
+        bf16_allreduce_hook
+        if torch_ddp and not torch.cuda.is_available()
+        else default_hooks.bf16_compress_hook,
+    ),
+    "powersgd": _powersgd,  # rank 1, compressing from the second step
+    "allreduce": lambda torch_ddp: (None, default_hooks.allreduce_hook),
 }
-"""The communication hooks ``--comm-hook`` offers: torch's own, given to both wrappers."""
+"""The communication hooks the benchmark offers: ``name -> f(torch_ddp) -> (state, hook)``,
+a fresh state per wrapper. ``--comm-hook`` gives one to every wrapper; ``--hooks`` times
+each as a pair of systems of its own, ``torch_ddp+NAME`` and ``bucketddp+NAME``."""
+ONE_BUCKET = {"powersgd": 64.0}
+"""Hooks timed with one bucket on both wrappers, of this many MB: torch DDP with PowerSGD on
+gloo stops with a size mismatch when there are two (docs/comm-hooks.md)."""
+HOOKED = "+"
+"""Joins a wrapper and a hook in a system's name: ``bucketddp+fp16``."""
+
+
+def hooked_systems(hooks: Sequence[str]) -> list[str]:
+    """The systems that time ``hooks``: torch DDP and bucketddp with each."""
+    return [f"{s}{HOOKED}{h}" for h in hooks for s in ("torch_ddp", "bucketddp")]
 
 
 def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
@@ -143,7 +172,10 @@ def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
     Both wrappers use their default options, except for the bucket sizes and the
     communication hook ``cfg`` sets, and a variant's own engine options.
     """
-    cap = {} if cfg.bucket_cap_mb is None else {"bucket_cap_mb": cfg.bucket_cap_mb}
+    system, _, hook_name = system.partition(HOOKED)
+    hook = hook_name or cfg.comm_hook
+    cap_mb = ONE_BUCKET.get(hook or "", cfg.bucket_cap_mb)
+    cap = {} if cap_mb is None else {"bucket_cap_mb": cap_mb}
     wrapped: DistributedDataParallel | BucketDataParallel
     if system == "local":
         return model
@@ -152,15 +184,16 @@ def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
     elif system == "bucketddp" or system in dict(cfg.variants):
         # torch DDP makes its first bucket as large as an explicit bucket_cap_mb: the same
         # here, unless a first bucket size is asked for, so both launch the same buckets.
-        first_mb = cfg.bucket_cap_mb if cfg.first_bucket_mb is None else cfg.first_bucket_mb
+        first_mb = cap_mb if cfg.first_bucket_mb is None else cfg.first_bucket_mb
         first = {} if first_mb is None else {"first_bucket_mb": first_mb}
         own = dict(dict(cfg.variants).get(system, ()))
         wrapped = BucketDataParallel(model, **{**cap, **first, **own})
     else:
         names = [*SYSTEMS, *(v for v, _ in cfg.variants)]
         raise ValueError(f"unknown system {system!r}; choose from {names}")
-    if cfg.comm_hook is not None:
-        wrapped.register_comm_hook(None, COMM_HOOKS[cfg.comm_hook])
+    if hook is not None:
+        state, fn = COMM_HOOKS[hook](isinstance(wrapped, DistributedDataParallel))
+        wrapped.register_comm_hook(state, fn)
     return wrapped
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench_harness import ALLREDUCE, NULL_SYSTEM
+from bench_harness import ALLREDUCE, HOOKED, NULL_SYSTEM
 from bench_stats import verdict
 
 PAD = " " * 20  # the first column's width: lines below a model's rows start here
@@ -56,7 +56,7 @@ def print_time_table(
             exposed = f"{f['exposed_comm_ms']:+.1f}" if "exposed_comm_ms" in f else "-"
             mem = memory.get(name, {}).get(s)
             peak = _fmt_peak(mem, memory.get(name, {}).get("local"))
-            ours = s == "bucketddp" or s in res.get("variants", {})
+            ours = s.partition(HOOKED)[0] == "bucketddp" or s in res.get("variants", {})
             wait = f"{f['comm_wait_ms']:.1f}" if ours else "-"
             phases = [f"{f[k]:6.1f}" for k in ("forward_ms", "backward_ms", "optimizer_ms")]
             if s == ALLREDUCE:  # the wire alone: no phases
@@ -79,6 +79,11 @@ def print_time_table(
                 f"{verdict((lo, hi))}"
             )
         print_beyond_wire(res)
+        for hook, v in res.get("hooks", {}).items():
+            print(
+                f"{PAD}with {hook}: bucketddp/torch_ddp {v['ratio_of_medians']:.3f} (ratio of "
+                f"medians), {_ratio(v)}; cpu {v['cpu_ratio']:.3f}"
+            )
         for name, v in res.get("variants", {}).items():
             print_variant(name, v)
         if "null_ratio_of_medians" in res:
@@ -177,6 +182,8 @@ def print_pooled(pooled: dict[str, Any], runs: int) -> None:
                         f"{'':<16} beyond the wire, {s} ms: {series['of_medians']:+.1f} (of the "
                         f"medians); per round {_pooled(series, '+.1f')}"
                     )
+            for hook, series in e.get("hooks", {}).items():
+                print(f"{'':<16} with {hook}: bucketddp/torch_ddp {_pooled(series)}")
             for name, v in e.get("variants", {}).items():
                 line = f"{'':<16} {name}/bucketddp {_pooled(v['bucketddp'])}"
                 if "vs_torch_ddp" in v:

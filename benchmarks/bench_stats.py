@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from bench_harness import ALLREDUCE, NULL_SYSTEM
+from bench_harness import ALLREDUCE, HOOKED, NULL_SYSTEM
 from bucketddp.options import EngineOptions
 
 
@@ -135,6 +135,16 @@ def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
                 )
             ]
         )
+    # Each hook: bucketddp with it against torch DDP with it.
+    out["hooks"] = {}
+    for s in systems:
+        wrapper, joined, hook = s.partition(HOOKED)
+        theirs = f"torch_ddp{HOOKED}{hook}"
+        if joined and wrapper == "bucketddp" and theirs in figures:
+            out["hooks"][hook] = {
+                **_compare(figures[s], figures[theirs]),
+                "cpu_ratio": figures[s]["cpu_ms"] / figures[theirs]["cpu_ms"],
+            }
     # Each variant against plain bucketddp (what its options cost) and torch DDP; one that
     # turns a default-on feature off also gives that feature's cost, bucketddp over it.
     out["variants"] = {}
@@ -239,6 +249,8 @@ def _pool_extras(entry: dict[str, Any], res: dict[str, Any]) -> None:
     for s, f in systems.items():
         if "beyond_wire_round_ms" in f:
             extend(entry.setdefault("beyond_wire_ms", {}), s, f["beyond_wire_round_ms"])
+    for hook, v in res.get("hooks", {}).items():
+        extend(entry.setdefault("hooks", {}), hook, v["round_ratios"])
     for name, v in res.get("variants", {}).items():
         pooled = entry.setdefault("variants", {}).setdefault(name, {"options": v["options"]})
         extend(pooled, "bucketddp", v["round_ratios"])
@@ -253,6 +265,7 @@ def _series(entry: dict[str, Any]) -> list[dict[str, Any]]:
     """The pooled value lists of ``_pool_extras`` in ``entry``, to summarize."""
     out = [entry["wire_ms"]] if "wire_ms" in entry else []
     out += list(entry.get("beyond_wire_ms", {}).values())
+    out += list(entry.get("hooks", {}).values())
     for v in entry.get("variants", {}).values():
         out += [v[key] for key in ("bucketddp", "vs_torch_ddp", "on_off") if key in v]
     return out

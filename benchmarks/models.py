@@ -154,6 +154,44 @@ def deep_transformer() -> TinyTransformer:
     return TinyTransformer(d_model=DEEP_WIDTH, heads=4, layers=DEEP_LAYERS)
 
 
+# ------------------------------------------------------------------- small models
+DIGITS_WIDTHS = (64, 512, 512, 10)
+TINY_WIDTHS = (64, 64, 32, 10)
+
+
+def digits_mlp() -> MLP:
+    """examples/demo.py's MLP for 8x8 digits: 64-512-512-10, 301K parameters in 6 tensors."""
+    return MLP(DIGITS_WIDTHS)
+
+
+def tiny_mlp() -> MLP:
+    """A 64-64-32-10 MLP: 6.6K parameters in 6 tensors, where a fixed cost per step shows."""
+    return MLP(TINY_WIDTHS)
+
+
+def pixels_batch(batch_size: int, generator: torch.Generator) -> Batch:
+    """Pixel values in [0, 1] of 64 features (8x8 images) and labels in [0, 10)."""
+    x = torch.rand(batch_size, DIGITS_WIDTHS[0], generator=generator)
+    y = torch.randint(0, DIGITS_WIDTHS[-1], (batch_size,), generator=generator)
+    return x, y
+
+
+SMALL_IMAGE = (3, 16, 16)
+
+
+def small_convnet() -> ConvNet:
+    """:class:`ConvNet` with two Conv-BatchNorm-ReLU blocks of 16 and 32 channels: 5.5K
+    parameters in 8 tensors, and 6 buffers."""
+    return ConvNet(channels=(16, 32))
+
+
+def small_conv_batch(batch_size: int, generator: torch.Generator) -> Batch:
+    """Gaussian 3x16x16 images and labels in [0, 10) for :func:`small_convnet`."""
+    x = torch.randn(batch_size, *SMALL_IMAGE, generator=generator)
+    y = torch.randint(0, 10, (batch_size,), generator=generator)
+    return x, y
+
+
 # ------------------------------------------------------------------------- registry
 @dataclass(frozen=True)
 class ModelSpec:
@@ -196,6 +234,9 @@ MODELS: dict[str, ModelSpec] = {
     "deep_transformer": ModelSpec(
         "deep_transformer", deep_transformer, transformer_batch, batch_size=4
     ),
+    "digits_mlp": ModelSpec("digits_mlp", digits_mlp, pixels_batch, batch_size=32),
+    "tiny_mlp": ModelSpec("tiny_mlp", tiny_mlp, pixels_batch, batch_size=32),
+    "small_convnet": ModelSpec("small_convnet", small_convnet, small_conv_batch, batch_size=16),
 }
 
 

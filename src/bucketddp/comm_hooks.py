@@ -7,17 +7,25 @@ returns a future whose value is the reduced buffer. The hooks in
 the PowerSGD hooks, the compression wrappers) take the :class:`GradBucket` below as they
 take torch's own ``dist.GradBucket``.
 
-Each bucket's hook is called only once the previous bucket's future is done
-(:func:`call_after`). A hook may launch collectives from its futures' callbacks (PowerSGD
-does), and on gloo those callbacks run on the process group's own threads, whenever the
-previous collective happens to finish. Were the next bucket's hook called meanwhile from
-the backward pass, the ranks could issue their collectives in different orders: a
-collective mismatch, or a hang. Waiting for the previous future keeps one order on every
-rank. Where futures complete at launch (NCCL), the next hook is called at once.
+A hook may launch collectives from its futures' callbacks (PowerSGD does), and on gloo
+those callbacks run on the process group's own threads, whenever the previous collective
+happens to finish. Were the next bucket's hook called meanwhile from the backward pass, the
+ranks could issue their collectives in different orders: a collective mismatch, or a hang.
+Such a hook is *ordered*: each bucket's call waits until the previous bucket's future is
+done (:func:`call_after`), which keeps one order on every rank. Every other hook is called
+as soon as its bucket is full, so its buckets' communication overlaps as without a hook.
+
+:func:`launches_from_callbacks` tells which is which. A hook declares it with an attribute,
+``hook.launches_from_callbacks = True`` or ``False``; torch's hooks that launch only when
+called (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
+``post_localSGD_hook``) are known without one. Any other hook, PowerSGD and torch's
+compression wrappers included, counts as ordered: a hook wrongly taken as unordered could
+hang or abort the job, while one wrongly taken as ordered only launches later.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +37,35 @@ from torch import nn
 CommHook = Callable[[Any, Any], "torch.futures.Future[Any]"]
 
 
+DECLARED = "launches_from_callbacks"
+"""The attribute by which a hook says whether it launches collectives from its futures'
+callbacks (True: its buckets' calls must keep one order) or only when called (False)."""
+
+_TORCH_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks."
+CALLER_ONLY = {
+    _TORCH_HOOKS + "default_hooks": ("allreduce_hook", "fp16_compress_hook", "bf16_compress_hook"),
+    _TORCH_HOOKS + "post_localSGD_hook": ("post_localSGD_hook",),
+}
+"""torch's hooks that launch every collective when called, never from a callback, by
+module. (Looked up where already imported: a program holding one has imported its module.)"""
+
+
+def launches_from_callbacks(hook: CommHook) -> bool:
+    """Whether ``hook`` may launch collectives from its futures' callbacks (see above).
+
+    Its own ``launches_from_callbacks`` attribute if it has one; else False for the torch
+    hooks in ``CALLER_ONLY``, and True for any other hook: the safe default.
+    """
+    declared = getattr(hook, DECLARED, None)
+    if declared is not None:
+        return bool(declared)
+    for module, names in CALLER_ONLY.items():
+        loaded = sys.modules.get(module)
+        if loaded is not None and any(getattr(loaded, n, None) is hook for n in names):
+            return False
+    return True
+
+
 class GradBucket:
     """One bucket as a communication hook sees it (the methods of ``dist.GradBucket``)."""
 
@@ -38,13 +75,15 @@ class GradBucket:
         self,
         index: int,
         buffer: torch.Tensor,
-        gradients: list[torch.Tensor],
+        gradients: Callable[[], list[torch.Tensor]],
         parameters: list[nn.Parameter],
         last: bool,
     ) -> None:
+        """``gradients`` makes the views ``gradients()`` returns, on its first call only:
+        most hooks never ask for them."""
         self._index = index
         self._buffer = buffer
-        self._gradients = gradients
+        self._gradients: Callable[[], list[torch.Tensor]] | list[torch.Tensor] = gradients
         self._parameters = parameters
         self._last = last
 
@@ -62,6 +101,8 @@ class GradBucket:
 
     def gradients(self) -> list[torch.Tensor]:
         """The bucket's gradients, each a view into the buffer, shaped like its parameter."""
+        if callable(self._gradients):
+            self._gradients = self._gradients()
         return self._gradients
 
     def parameters(self) -> list[nn.Parameter]:

@@ -24,7 +24,11 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine.py"
 HARNESS = SCRIPT.parent / "bench_harness.py"
 # Three steps in all: torch DDP reports its rebuilt buckets from its third forward on.
-SHORT = ["--rounds", "1", "--steps", "1", "--warmup", "2", "--world-size", "2", "--no-memory"]
+# No hooked systems (--hooks without a value), but in the test of --hooks.
+SHORT = [
+    *("--rounds", "1", "--steps", "1", "--warmup", "2", "--world-size", "2", "--no-memory"),
+    "--hooks",
+]
 WITH_MEMORY = [a for a in SHORT if a != "--no-memory"]
 
 
@@ -108,6 +112,19 @@ def test_first_bucket_comm_hook_null_and_malloc_options_reach_the_run(tmp_path: 
     assert result["null_round_ratios"] == [
         a / b for a, b in zip(ours["round_medians_ms"], null["round_medians_ms"], strict=True)
     ]
+
+
+def test_hooks_time_each_hook_on_both_wrappers_in_the_same_rounds(tmp_path: Path) -> None:
+    short = [a for a in SHORT if a != "--hooks"]
+    result = run_bench(tmp_path, "--hooks", "fp16", "powersgd", short=short)
+    hooked = {"torch_ddp+fp16", "bucketddp+fp16", "torch_ddp+powersgd", "bucketddp+powersgd"}
+    assert set(result["systems"]) == {"local", "allreduce", "torch_ddp", "bucketddp", *hooked}
+    assert set(result["hooks"]) == {"fp16", "powersgd"}
+    for hook, ratios in result["hooks"].items():
+        ours, theirs = (result["systems"][f"{s}+{hook}"] for s in ("bucketddp", "torch_ddp"))
+        assert ratios["round_ratios"] == [
+            a / b for a, b in zip(ours["round_medians_ms"], theirs["round_medians_ms"], strict=True)
+        ]
 
 
 def test_overheads_time_the_wire_and_tune_auto_before_the_timed_rounds(tmp_path: Path) -> None:

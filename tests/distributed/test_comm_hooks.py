@@ -283,3 +283,49 @@ def test_hook_misuse_is_named() -> None:
             "'_bad_hook' returned Tensor; it must return a torch.futures.Future"
             in (said["not_a_future"])
         )
+
+
+class _Deferred:
+    """A hook's state: each bucket's future is completed only when the last bucket's hook
+    is called, so a bucket's hook runs before the previous bucket's future is done."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]]] = []
+        self.earlier_done: list[list[bool]] = []
+
+
+def _deferred(state, bucket):  # type: ignore[no-untyped-def]
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    state.earlier_done.append([f.done() for _, f in state.pending])
+    state.pending.append((bucket.buffer(), future))
+    if bucket.is_last():  # every bucket's hook was called: reduce them all, in bucket order
+        for buffer, waiting in state.pending:
+            dist.all_reduce(buffer)
+            waiting.set_result(buffer.div_(dist.get_world_size()))
+        state.pending.clear()
+    return future
+
+
+_deferred.launches_from_callbacks = False  # type: ignore[attr-defined]
+
+
+def _unordered(rank: int, world: int) -> dict[str, Any]:
+    state = _Deferred()
+
+    def hooked(model: nn.Module) -> nn.Module:
+        wrapped = BucketDataParallel(model, **TINY)
+        wrapped.register_comm_hook(state, _deferred)
+        return wrapped
+
+    ours = train("mlp", hooked, rank, steps=3)
+    theirs = train("mlp", _hooked(DDP, "allreduce"), rank, steps=3)
+    return {"ours": ours["params"], "theirs": theirs["params"], "seen": state.earlier_done}
+
+
+def test_a_hook_that_launches_only_when_called_runs_as_soon_as_its_bucket_is_full() -> None:
+    # Declared to launch nothing from its callbacks, the hook of bucket k is called while
+    # bucket k-1's future is still pending (an ordered hook would wait for it: here forever).
+    for rank, r in enumerate(run_ranks(_unordered, 2, timeout=90)):
+        assert_weights(r["ours"], r["theirs"], rank)
+        later = [done for done in r["seen"] if done]
+        assert later and not any(any(done) for done in later)

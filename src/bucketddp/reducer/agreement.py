@@ -105,7 +105,9 @@ class AgreementRow:
         """Take this rank's views from ``area`` (after the last bucket's storage moved)."""
         assert area is not None
         self.table = area.view(-1, self.width)
-        mine = self.table[self.rank % len(self.table)]
+        # Views made once, not per step: the first row (the sum, with one row) and this rank's.
+        self.first = self.table[0]
+        self.mine = mine = self.table[self.rank % len(self.table)]
         end = self.planned + self.flags
         self.counts, self.agreement = mine[: self.planned], mine[self.planned : end]
         self.extra = mine[end:]
@@ -127,7 +129,7 @@ class AgreementRow:
         if r.n_ready == n and not changes:
             # Every planned parameter got a gradient (so it is used, and requires one), and
             # nothing else changed: the row as planned, in one copy.
-            self.table[self.rank % len(self.table)].copy_(self.as_planned)
+            self.mine.copy_(self.as_planned)
             return
         counts = self.counts
         if r.find_unused_parameters:
@@ -151,7 +153,7 @@ class AgreementRow:
     def summed_is_planned(self) -> bool:
         """Whether the summed row says: every planned parameter everywhere, nothing changed."""
         expected = self.summed_as_planned
-        return expected is not None and torch.equal(self.table[0], expected)
+        return expected is not None and torch.equal(self.first, expected)
 
     def read(self, table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The summed rows, added up in float64: (counts, agreement with the extra slots)."""

@@ -102,7 +102,6 @@ class Reducer(ReducerState):
         # forward through the wrapper (``expect_backward``), whose sync decision they keep.
         self.expecting_backward = False
         self.sync_step = True
-        self.stats = CommStats()
         self._queued = False
         self._from_output = False  # the end-of-backward callback was queued by an output hook
         # A gradient the ready count does not show arrived (outside the plan, or not a
@@ -125,6 +124,11 @@ class Reducer(ReducerState):
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket's gradients with ``hook(state, bucket)`` from the next step on."""
         use_hook(self, state, hook)
+
+    @property
+    def stats(self) -> CommStats:
+        """Figures of the last synced backward (built when asked for)."""
+        return self.clock.last()
 
     # ------------------------------------------------------------------- the hot path
     def autograd_hook(self, i: int, param: torch.Tensor) -> None:
@@ -253,7 +257,7 @@ class Reducer(ReducerState):
             self.sparse.wait()
         self.launcher.wait_all(self.buckets)
         sparse = self.sparse
-        self.stats = self.clock.stats(
+        self.clock.finish(
             self.buckets,
             collectives=len(self.buckets) + len(self.unslotted) + self.launcher.extra_collectives,
             bytes_reduced=self.storage.nbytes + (sparse.nbytes() if sparse is not None else 0),

@@ -3,7 +3,9 @@
 The default launcher sums the bucket's storage with one asynchronous all-reduce; the
 gradients were already divided by the world size on their way into the slots. With a
 registered communication hook, the hook launcher hands each bucket's plain gradients to
-the hook and takes back what its future holds. The core calls ``launch`` and ``wait_all``
+the hook as soon as the bucket is full (or, for a hook that launches collectives from its
+callbacks, once the previous bucket's future is done) and takes back what its future
+holds. The core calls ``launch`` and ``wait_all``
 and never asks which one it has, as torch DDP's reducer falls back to a default
 all-reduce hook. With ``check_finite=True`` either one is wrapped in a
 ``CheckedLauncher``, which looks at each bucket first (``finite.py``).
@@ -12,14 +14,21 @@ all-reduce hook. With ``check_finite=True`` either one is wrapped in a
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..comm import AsyncSum, all_reduce_kept, on_wire
-from ..comm_hooks import CommHook, GradBucket, call_after, hook_result, run_hook
+from ..comm import AsyncSum, all_reduce_kept, on_wire, wait_kept
+from ..comm_hooks import (
+    CommHook,
+    GradBucket,
+    call_after,
+    hook_result,
+    launches_from_callbacks,
+    run_hook,
+)
 from . import errors, layout
 from .state import FiniteGuard, ReducerState
 from .storage import Bucket, slot_views
@@ -63,10 +72,12 @@ class AllReduceLauncher:
 class HookLauncher:
     """Reduces each bucket's gradients with a registered ``hook(state, bucket)``.
 
-    Bucket 0's hook is called at launch; bucket ``k``'s once bucket ``k - 1``'s future is
-    done, so that collectives a hook launches from its callbacks keep one order on every
-    rank (see ``comm_hooks.py``). The agreement row is all-reduced on its own, after every
-    hook's future is done.
+    Each bucket's hook is called as soon as the bucket is full. A hook that launches
+    collectives from its futures' callbacks (PowerSGD; see ``comm_hooks.py``) is *ordered*:
+    bucket ``k``'s call waits until bucket ``k - 1``'s future is done, so that those
+    collectives keep one order on every rank. The agreement row is all-reduced on its own:
+    right after the last bucket's hook call, or with an ordered hook once every hook's
+    future is done.
     """
 
     averages = True
@@ -76,20 +87,29 @@ class HookLauncher:
         self._group = group
         self._state = state
         self.hook = hook
-        # The future of the hook called last in this step: the next bucket's waits for it.
+        self.ordered = launches_from_callbacks(hook)
+        self._sum = AsyncSum(group)
+        # The future of the hook called last in this step: with an ordered hook, the next
+        # bucket's call waits for it.
         self._tail: torch.futures.Future[Any] | None = None
+        self._row: dist.Work | None = None  # the row's all-reduce, when launched early
 
     def launch(self, k: int, bucket: Bucket) -> torch.futures.Future[Any]:
-        """Call the hook on bucket ``k`` (when bucket ``k - 1``'s future is done)."""
-        return self._call(k, bucket.grads, bucket.params, bucket.row is not None)
+        """Call the hook on bucket ``k`` (with an ordered hook, once bucket ``k - 1``'s
+        future is done)."""
+        future = self._call(k, bucket.grads, bucket.params, bucket.row is not None)
+        if bucket.row is not None:
+            self._launch_row(bucket.row)
+        return future
 
     def _call(
         self, k: int, grads: torch.Tensor, params: list[torch.Tensor], last: bool
     ) -> torch.futures.Future[Any]:
-        # Views of its own for the hook's GradBucket: one it keeps must not hold the slots'
-        # views, which would look like a .grad kept by the user.
-        bucket = GradBucket(k, grads, slot_views(grads, params), params, last)  # type: ignore[arg-type]
-        previous = self._tail if k > 0 else None
+        # Views of its own for the hook's GradBucket, made if it asks: one it keeps must not
+        # hold the slots' views, which would look like a .grad kept by the user.
+        views = functools.partial(slot_views, grads, params)
+        bucket = GradBucket(k, grads, views, params, last)  # type: ignore[arg-type]
+        previous = self._tail if self.ordered and k > 0 else None
         if previous is None or previous.done():
             future = run_hook(self.hook, self._state, bucket)
         else:
@@ -98,18 +118,40 @@ class HookLauncher:
         self._tail = future
         return future
 
+    def _launch_row(self, row: torch.Tensor) -> None:
+        """After the last hook call: an unordered hook launched all its collectives, and
+        the row's all-reduce goes next on every rank, overlapping the hooks' traffic."""
+        if not self.ordered:
+            self._row = self._sum(on_wire(row))
+
+    def _wait_row(self, row: torch.Tensor, check: Callable[[], None]) -> None:
+        """Run ``check`` (the hooks' results), then make sure the row is summed.
+
+        An early row is waited for whatever ``check`` raises: every rank launched it. A
+        late one (ordered hooks) is launched only once ``check`` passed, as on every rank:
+        its sum may make every rank raise, and a rank that raised first must not leave the
+        others waiting in it.
+        """
+        early, self._row = self._row, None
+        try:
+            check()
+        finally:
+            wait_kept(early)
+        if early is None:
+            all_reduce_kept(row, self._group)
+
     def wait_all(self, buckets: Sequence[Bucket]) -> None:
-        """Wait for every hook's future, copy its result in, then all-reduce the row."""
-        for bucket in buckets:
-            reduced = hook_result(bucket.wait(), bucket.grads, self.hook)
-            if reduced.data_ptr() != bucket.grads.data_ptr():
-                bucket.grads.copy_(reduced.view_as(bucket.grads))
-        # A hook may launch collectives from its futures' callbacks (PowerSGD does), on
-        # another thread: launching the row's all-reduce earlier could order it differently
-        # on different ranks.
+        """Wait for every hook's future, copy its result in, and have the row summed."""
+
+        def take_results() -> None:
+            for bucket in buckets:
+                reduced = hook_result(bucket.wait(), bucket.grads, self.hook)
+                if reduced.data_ptr() != bucket.grads.data_ptr():
+                    bucket.grads.copy_(reduced.view_as(bucket.grads))
+
         row = buckets[-1].row
         assert row is not None
-        all_reduce_kept(row, self._group)  # its sum may make every rank raise
+        self._wait_row(row, take_results)
 
     def reduce_copies(
         self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]
@@ -124,11 +166,15 @@ class HookLauncher:
             self._call(k, g, b.params, k == last)
             for k, (g, b) in enumerate(zip(grads, buckets, strict=True))
         ]
-        for future, g in zip(futures, grads, strict=True):
-            # Checked as on the ranks still training, which raise before the row's
-            # all-reduce: this rank must not reach it alone.
-            hook_result(future.wait(), g, self.hook)
-        dist.all_reduce(storages[-1][buckets[-1].grads.numel() :], group=self._group)
+        row = storages[-1][buckets[-1].grads.numel() :]
+        self._launch_row(row)
+
+        def check_results() -> None:
+            # Checked as on the ranks still training, which raise there too.
+            for future, g in zip(futures, grads, strict=True):
+                hook_result(future.wait(), g, self.hook)
+
+        self._wait_row(row, check_results)
 
 
 class CheckedLauncher:

@@ -21,7 +21,6 @@ from ..buckets import BucketPlan
 from .members import Members
 from .module_changes import ModuleChanges
 from .sparse import SparseGradients
-from .stats import CommStats
 from .storage import Bucket, BucketStorage
 
 
@@ -185,7 +184,6 @@ class ReducerState(ABC):
     expecting_backward: bool
     sync_step: bool
     touched_elsewhere: bool  # a gradient the ready count does not show arrived
-    stats: CommStats
 
     # The plan and its parameters (set by layout.py).
     m: Members

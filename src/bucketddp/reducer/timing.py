@@ -5,6 +5,9 @@ clock each launch; ``Bucket.wait`` stamps ``waited_at``. Completion comes from a
 on the collective's future, run by the backend when it finishes (gloo's thread). Under
 the PyTorch profiler each bucket's collective is also a named range from its launch to its
 completion. Nothing here waits or synchronizes a device.
+
+At the end of a step the clock only keeps what it read (``finish``); the ``CommStats`` is
+built from it when someone asks (``last``), since most steps' figures are never read.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class StepClock:
         self._launched: list[float] = []
         self._completed: list[float] = []
         self.wait_started = 0.0
+        self._last: CommStats | None = CommStats()
+        self._kept: tuple[Any, ...] = ()  # what the last step's figures are built from
 
     def launched(self, k: int, work: Any) -> None:
         """Bucket ``k``'s collective was just launched; ``work`` is what to wait on."""
@@ -57,21 +62,40 @@ class StepClock:
         self.wait_started = time.perf_counter()
         return self.wait_started
 
-    def stats(self, plan: Sequence[Bucket], /, **figures: Any) -> CommStats:
-        """``CommStats`` of the step, with ``figures`` (collectives, bytes, ...)."""
+    def finish(self, plan: Sequence[Bucket], /, **figures: Any) -> None:
+        """The step is over: keep what its ``CommStats`` will be built from, with ``figures``
+        (collectives, bytes, ...). A completion that comes later still counts."""
+        times = [(b.ready_at, b.waited_at, b.storage.nbytes) for b in plan]
+        self._kept = (times, self._launched, self._completed, self.wait_started, figures)
+        self._last = None
+
+    def last(self) -> CommStats:
+        """``CommStats`` of the last finished step."""
+        if self._last is None:
+            self._last = self._build(*self._kept)
+        return self._last
+
+    @staticmethod
+    def _build(
+        times: list[tuple[float, float, int]],
+        launched: list[float],
+        completed: list[float],
+        wait_started: float,
+        figures: dict[str, Any],
+    ) -> CommStats:
         timings = []
-        for k, bucket in enumerate(plan):
-            if k >= len(self._launched) or not self._launched[k]:
+        for k, (ready_at, waited_at, nbytes) in enumerate(times):
+            if k >= len(launched) or not launched[k]:
                 continue
-            waited = bucket.waited_at or self.wait_started
-            completed = self._completed[k] or waited
+            waited = waited_at or wait_started
+            done = completed[k] or waited
             timings.append(
                 BucketTiming(
                     index=k,
-                    nbytes=bucket.storage.numel() * bucket.storage.element_size(),
-                    ready=min(bucket.ready_at or self._launched[k], self._launched[k]),
-                    launched=self._launched[k],
-                    completed=min(completed, waited),
+                    nbytes=nbytes,
+                    ready=min(ready_at or launched[k], launched[k]),
+                    launched=launched[k],
+                    completed=min(done, waited),
                     waited=waited,
                 )
             )
@@ -79,12 +103,12 @@ class StepClock:
         # late (a busy core, the GIL), and the exposed wait is the step's to pay either way.
         spans = [(t.launched, t.completed) for t in timings]
         if timings:
-            spans.append((self.wait_started, self.wait_started + figures["wait_seconds"]))
-        comm, hidden = overlap(spans, self.wait_started)
+            spans.append((wait_started, wait_started + figures["wait_seconds"]))
+        comm, hidden = overlap(spans, wait_started)
         return CommStats(
             comm_seconds=comm,
             hidden_seconds=hidden,
-            wait_started=self.wait_started,
+            wait_started=wait_started,
             bucket_timings=tuple(timings),
             **figures,
         )
@@ -96,6 +120,14 @@ class NoClock(StepClock):
     def launched(self, k: int, work: Any) -> None:
         """Nothing to record."""
 
-    def stats(self, plan: Sequence[Bucket], /, **figures: Any) -> CommStats:
-        """``CommStats`` with ``figures`` alone."""
-        return CommStats(wait_started=self.wait_started, **figures)
+    def finish(self, plan: Sequence[Bucket], /, **figures: Any) -> None:
+        """The step is over: keep its ``figures`` alone."""
+        self._kept = (self.wait_started, figures)
+        self._last = None
+
+    def last(self) -> CommStats:
+        """``CommStats`` with the last step's figures alone."""
+        if self._last is None:
+            wait_started, figures = self._kept
+            self._last = CommStats(wait_started=wait_started, **figures)
+        return self._last

@@ -1,0 +1,92 @@
+"""The picture of docs/benchmarks.md's ratio table: bucketddp / torch DDP per model and hook.
+
+Draws ``docs/images/ratios.png`` from a JSON report of ``bench_engine.py`` (its world-size-2
+section): for each model, the median of the per-round ratios bucketddp / torch DDP without a
+hook and with each hook the run timed (``--hooks``), with their 95% bootstrap intervals.
+Nothing is measured here.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_engine.py --world-size 2 --no-memory
+    .venv/bin/python benchmarks/bench_ratio_plot.py benchmarks/results/engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE.parent / "docs" / "images" / "ratios.png"
+NO_HOOK = "no hook"
+
+
+def ratio_rows(section: dict[str, Any]) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """Per model, per hook (``NO_HOOK`` first): (median round ratio, interval low, high)."""
+    rows: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for model, res in section.items():
+        entries = {NO_HOOK: res} if "round_ratio_ci95" in res else {}
+        entries.update(res.get("hooks", {}))
+        rows[model] = {
+            hook: (e["median_round_ratio"], *e["round_ratio_ci95"]) for hook, e in entries.items()
+        }
+    return rows
+
+
+def draw(rows: dict[str, dict[str, tuple[float, float, float]]], path: Path, title: str) -> None:
+    """Grouped bars, one group per model, one bar per hook, with interval whiskers."""
+    hooks = list(dict.fromkeys(h for per in rows.values() for h in per))
+    width = 0.8 / max(1, len(hooks))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows)), 3.8))
+    for j, hook in enumerate(hooks):
+        xs, ys, lo, hi = [], [], [], []
+        for i, per in enumerate(rows.values()):
+            if hook in per:
+                y, low, high = per[hook]
+                xs.append(i - 0.4 + (j + 0.5) * width)
+                ys.append(y)
+                lo.append(y - low)
+                hi.append(high - y)
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=hook)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), list(rows), rotation=20, ha="right")
+    ax.set_ylabel("step time, bucketddp / torch DDP")
+    spans = [v for per in rows.values() for v in per.values()]
+    ax.set_ylim(min(0.7, *(v[1] for v in spans)) - 0.02, max(1.2, *(v[2] for v in spans)))
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=len(hooks), loc="upper left")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Read the report, draw the picture."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("json", type=Path, help="a JSON report of bench_engine.py")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
+    args = p.parse_args(argv)
+    report = json.loads(args.json.read_text())
+    section = report.get("world_size_2")
+    if not section:
+        print(f"bench_ratio_plot: {args.json} has no world-size-2 section", file=sys.stderr)
+        return 2
+    rounds = report["config"]["rounds"]
+    title = f"median of {rounds} interleaved round ratios, 95% intervals; below 1: bucketddp faster"
+    draw(ratio_rows(section), args.out, title)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
