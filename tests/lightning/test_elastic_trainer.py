@@ -44,6 +44,7 @@ pytest.importorskip("lightning")
 SCRIPT = SUPPORT / "elastic_lightning.py"
 
 
+@pytest.mark.timeout(900)  # a hang guard: several torchrun jobs of Lightning
 def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path) -> None:
     runs = {
         "trainer/straight": ("trainer", "-1"),
@@ -57,6 +58,7 @@ def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path) -> None
     _run_and_compare(tmp_path, shm, runs)
 
 
+@pytest.mark.timeout(900)  # a hang guard: several torchrun jobs of Lightning
 def test_a_stop_signal_costs_no_step(tmp_path: Path, shm: Path) -> None:
     runs = {
         "trainer/straight": ("trainer", "-1"),
@@ -105,6 +107,7 @@ def _agent(out: Path, port: int, host: bool, env: dict[str, str]) -> subprocess.
     return start(cmd, out / f"agent{'A' if host else 'B'}.log", env)
 
 
+@pytest.mark.timeout(900)  # a hang guard: several torchrun jobs of Lightning
 def test_a_lost_node_leaves_the_rest_training_on_every_row_once(tmp_path: Path, shm: Path) -> None:
     port = free_port()
     env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm)}

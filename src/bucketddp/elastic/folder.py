@@ -128,8 +128,11 @@ class Folder:
             return f.read()
 
     def write(self, name: str, data: bytes) -> None:
-        """Write ``name`` whole or not at all: a new file (``0600``), then a rename."""
-        tmp = f"{name}.tmp"
+        """Write ``name`` whole or not at all: a new file (``0600``), then a rename.
+
+        The new file's name is this process's own: ranks of two agents on one host share
+        the folder and may write the same name at once."""
+        tmp = f"{name}.{os.getpid()}.tmp"
         self.remove(tmp)
         fd = self._open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "wb") as f:
