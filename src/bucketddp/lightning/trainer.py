@@ -131,15 +131,11 @@ class BucketDDP(DDPStrategy):
             and, after torchrun restarts the workers, resume from the newest snapshot on
             any node, at the same world size or another (``docs/elastic.md``).
         snapshot_every: with ``elastic``, take a snapshot every this many optimizer steps.
-        accelerator: as for Lightning's ``DDPStrategy``: the accelerator (the Trainer
-            sets it from its ``accelerator`` argument when None).
-        parallel_devices: as for ``DDPStrategy``: the devices of this node (from the
-            Trainer's ``devices`` when None).
-        cluster_environment: as for ``DDPStrategy``: where rank and world size come from
-            (torchrun, SLURM, ...; detected when None).
+        accelerator: as for Lightning's ``DDPStrategy`` (the Trainer's when None).
+        parallel_devices: as for ``DDPStrategy``: this node's devices (the Trainer's ``devices``).
+        cluster_environment: as for ``DDPStrategy``: where rank and world size come from.
         checkpoint_io: as for ``DDPStrategy``: the plugin that writes and reads checkpoints.
-        precision_plugin: as for ``DDPStrategy``: the precision plugin (from the Trainer's
-            ``precision`` when None).
+        precision_plugin: as for ``DDPStrategy`` (from the Trainer's ``precision`` when None).
         process_group_backend: as for ``DDPStrategy``: ``"gloo"``, ``"nccl"``, ... (chosen
             from the device when None).
         timeout: as for ``DDPStrategy``: the process group's timeout.
