@@ -46,6 +46,7 @@ WORKER_PREFIX = "pt_gloo"  # torch names gloo's worker threads pt_gloo_runloop
 
 _TASKS = "/proc/self/task"
 _installed = False
+waiting = False  # True while ``settle`` waits for the threads (a test reads it)
 
 
 def install() -> None:
@@ -64,13 +65,18 @@ def settle(timeout: float = HANG_GUARD) -> bool:
     gc.collect()
     if not gloo_workers():
         return True  # the groups were freed and their threads joined
+    global waiting
     deadline = time.monotonic() + timeout
     quiet = 0
-    while quiet < QUIET_POLLS:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(POLL)
-        quiet = 0 if _busy() else quiet + 1
+    waiting = True
+    try:
+        while quiet < QUIET_POLLS:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL)
+            quiet = 0 if _busy() else quiet + 1
+    finally:
+        waiting = False
     return True
 
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-if sys.argv[2] == "bucketddp":
-    import bucketddp  # noqa: F401  (its exit handler is the thing under test)
+MODE = sys.argv[2]
+if MODE == "bucketddp":
+    import bucketddp  # its exit handler is the thing under test
 
 started = Path(sys.argv[3] if len(sys.argv) > 3 else f"/tmp/exit-callback-{os.getpid()}")
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
@@ -32,7 +33,15 @@ tensor = torch.ones(4)
 
 def callback(future: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
     started.touch()
-    time.sleep(0.5)  # the GIL is released: the main thread goes on to shut down
+    # Run Python until the interpreter shuts down (torch alone: this thread then dies in
+    # pthread_exit, and the process by SIGABRT), or until bucketddp's exit handler waits
+    # for this thread (then finish, and the process exits 0). Both are events.
+    deadline = time.monotonic() + 60.0  # a hang guard
+    while time.monotonic() < deadline and not sys.is_finalizing():
+        if MODE == "bucketddp" and bucketddp.clean_exit.waiting:
+            time.sleep(0.05)
+            break
+        time.sleep(0.001)
     return future.value()
 
 
