@@ -33,7 +33,8 @@ def _run(mode: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
 def test_torch_alone_aborts_when_a_worker_runs_python_at_exit(tmp_path: Path) -> None:
     done = _run("none", tmp_path)
     assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-2000:])
-    assert "terminate called" in done.stderr
+    # std::terminate, or CPython's own abort when the thread's state is torn down.
+    assert "terminate called" in done.stderr or "Fatal Python error" in done.stderr
 
 
 def test_bucketddp_waits_for_the_worker_and_exits_0(tmp_path: Path) -> None:
