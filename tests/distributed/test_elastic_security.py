@@ -45,6 +45,8 @@ def test_files_the_job_did_not_write_are_skipped_and_it_resumes_bit_equal(
     out = tmp_path / "planted"
     assert same_weights(out / "final.pt", tmp_path / "straight" / "final.pt")
     assert "attempt 1" in (out / "steps.rank1").read_text()  # it did restart
+    # ... after the planned kill, not earlier: attempt 0 reached step 11.
+    assert "step 11 attempt 0" in (out / "steps.rank0").read_text(), logs["planted"][-4000:]
     assert all(len(done_twice(out, rank)) <= 1 for rank in (0, 1))
     assert not (out / "marker").exists(), "a planted meta was unpickled"
     skipped = [line for line in logs["planted"].splitlines() if "skipping snapshot meta" in line]

@@ -73,9 +73,15 @@ def fieldless_meta(marker: str, key: bytes) -> bytes:
 
 
 def modes(top: Path) -> list[str]:
-    """``"<mode> <path>"`` for ``top`` and everything under it."""
-    paths = [top, *sorted(top.rglob("*"))]
-    return [f"{stat.S_IMODE(p.lstat().st_mode):04o} {p}" for p in paths]
+    """``"<mode> <path>"`` for ``top`` and everything under it, skipping what the other rank
+    removes while this one lists (its old meta, a temporary file it renames)."""
+    lines = []
+    for p in [top, *sorted(top.rglob("*"))]:
+        try:
+            lines.append(f"{stat.S_IMODE(p.lstat().st_mode):04o} {p}")
+        except FileNotFoundError:
+            continue
+    return lines
 
 
 _recorded: list[int] = []

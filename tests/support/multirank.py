@@ -142,11 +142,23 @@ def _worker(
         result = fn(rank, world_size, *args)
         conn.send(("ok", _to_bytes(result)))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
+        conn.send(("error", (time.time(), traceback.format_exc())))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         conn.close()
+
+
+def _first_failure(errors: dict[int, tuple[float, str]], world_size: int) -> str:
+    """The message of the rank that failed first, in full (the others' errors usually follow
+    from it: a peer that left resets their connections), then each other's last line."""
+    order = sorted(errors, key=lambda r: (errors[r][0], r))
+    first = order[0]
+    text = f"rank {first} of {world_size} failed first:\n{errors[first][1]}"
+    for rank in order[1:]:
+        lines = errors[rank][1].strip().splitlines() or [""]
+        text += f"\nthen rank {rank}: {lines[-1]}"
+    return text
 
 
 def _stacks(path: str) -> str:
@@ -202,7 +214,7 @@ def _receive(
             except EOFError:
                 procs[rank].join(HANG_GUARD)  # its pipe closed as it exited: at once
                 died = f"rank {rank} died (exit code {procs[rank].exitcode})"
-                results[rank] = ("error", died + _stacks(stack_paths[rank]))
+                results[rank] = ("error", (time.time(), died + _stacks(stack_paths[rank])))
 
 
 def run_ranks(
@@ -276,10 +288,9 @@ def run_ranks(
                 p.join()
         shutil.rmtree(stack_dir, ignore_errors=True)
 
-    errors = {r: msg for r, (kind, msg) in results.items() if kind == "error"}
+    errors = {r: payload for r, (kind, payload) in results.items() if kind == "error"}
     if errors:
-        first = min(errors)
-        raise RankError(f"rank {first} of {world_size} raised:\n{errors[first]}")
+        raise RankError(_first_failure(errors, world_size))
     if len(results) < world_size:
         missing = [r for r in range(world_size) if r not in results]
         raise RankError(f"ranks {missing} ended without a result")
