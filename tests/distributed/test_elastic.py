@@ -10,15 +10,20 @@ their process group (the agent's store keeps the last attempt's gloo addresses).
 
 from __future__ import annotations
 
-import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from elastic_runs import assert_stopped_together, done_twice, same_weights, standalone, torchrun
-from lightning_runs import ROOT, SUPPORT
+from elastic_runs import (
+    assert_stopped_together,
+    done_twice,
+    same_weights,
+    torchrun,
+    torchrun_failing,
+)
+from lightning_runs import SUPPORT
 
 LOOP = SUPPORT / "elastic_loop.py"
 
@@ -59,17 +64,8 @@ def test_ten_restarts_in_a_row_each_form_their_group(tmp_path: Path) -> None:
 def _refused(out: Path, folder: Path, width: str = "32") -> str:
     """Run the loop with its snapshots in ``folder`` and no restart: it must fail before
     its first step, on both ranks. Returns its output."""
-    env = {**os.environ, "BUCKETDDP_SNAPSHOT_DIR": str(folder), "ELASTIC_WIDTH": width}
-    run = subprocess.run(
-        [*standalone(0), str(LOOP), str(out), "-1"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-        env=env,
-    )
-    text = run.stdout + run.stderr
-    assert run.returncode != 0, text[-3000:]
+    env = {"BUCKETDDP_SNAPSHOT_DIR": str(folder), "ELASTIC_WIDTH": width}
+    text = torchrun_failing(LOOP, str(out), "-1", env=env)
     assert not list(out.glob("steps.rank*")), "a training step ran"
     for rank in (0, 1):
         assert f"rank {rank} (node 0)" in text, text[-3000:]

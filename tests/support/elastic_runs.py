@@ -85,6 +85,22 @@ def torchrun(
     return run_script(cmd, timeout=timeout, env=env)
 
 
+def torchrun_failing(script: Path, *args: str, env: dict[str, str]) -> str:
+    """Run ``script`` on 2 local workers under torchrun with no restart and ``env`` added;
+    asserts that the job exits non-zero. Returns its output."""
+    run = subprocess.run(
+        [*standalone(0), str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env={**os.environ, **env},
+    )
+    text = run.stdout + run.stderr
+    assert run.returncode != 0, text[-3000:]
+    return text
+
+
 def done_twice(out: Path, rank: int) -> list[int]:
     """The steps rank ``rank`` completed in more than one attempt (from its step log)."""
     steps = Counter(

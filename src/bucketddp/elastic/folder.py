@@ -26,6 +26,7 @@ from pathlib import Path
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a planted FIFO never blocks
+OPEN_TRIES = 3
 
 
 class UnsafeFolder(RuntimeError):
@@ -95,6 +96,15 @@ class Folder:
         and followed as they are (``/dev/shm`` is everyone's). Raises ``UnsafeFolder``."""
         if not 1 <= private <= len(path.parts) - 1:
             raise ValueError(f"private must name between 1 and all levels of {path}")
+        for _ in range(OPEN_TRIES - 1):
+            # An empty level may be removed between its open and the next level's making
+            # (another job of this user's ending: ``remove_all(parents=1)``): open again.
+            with contextlib.suppress(FileNotFoundError):
+                return cls._open(path, private)
+        return cls._open(path, private)
+
+    @classmethod
+    def _open(cls, path: Path, private: int) -> Folder:
         base = Path(*path.parts[: len(path.parts) - private])
         base.mkdir(parents=True, exist_ok=True)
         fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -166,21 +176,35 @@ class Folder:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(name, dir_fd=self._fd)
 
-    def bytes_held(self) -> int:
-        """The bytes the folder's files take."""
-        total = 0
+    def _stats(self) -> list[os.stat_result]:
+        out = []
         for name in self.names():
             with contextlib.suppress(OSError):
-                total += os.stat(name, dir_fd=self._fd, follow_symlinks=False).st_blocks * 512
-        return total
+                out.append(os.stat(name, dir_fd=self._fd, follow_symlinks=False))
+        return out
 
-    def remove_all(self) -> None:
-        """Remove every file in the folder, then the folder if it is left empty."""
+    def bytes_held(self) -> int:
+        """The bytes the folder's files take."""
+        return sum(st.st_blocks * 512 for st in self._stats())
+
+    def last_change(self) -> float | None:
+        """When a file in the folder last changed (a time in seconds); None if it is empty."""
+        return max((st.st_mtime for st in self._stats()), default=None)
+
+    def remove_all(self, parents: int = 0) -> int:
+        """Remove every file in the folder, then the folder if it is left empty, then up to
+        ``parents`` levels above it, each if it is left empty; the number of files removed."""
+        removed = 0
         for name in self.names():
             with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=self._fd)
-        with contextlib.suppress(OSError):
-            os.rmdir(self.path)
+                removed += 1
+        for level in [self.path, *self.path.parents[:parents]]:
+            try:
+                os.rmdir(level)
+            except OSError:
+                break
+        return removed
 
     def close(self) -> None:
         """Close the folder (its files stay)."""

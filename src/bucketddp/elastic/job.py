@@ -1,10 +1,10 @@
 """Who this process is in an elastic job: torchrun's run, attempt, node and ranks.
 
 torchrun's agent tells its workers their place through environment variables: the run id
-(the same on every node and every restart), the restart count, the node's rank in this
-attempt (``GROUP_RANK``) and the ranks. Snapshots are named by the run, so that two jobs on
-one node never mix, and by attempt and node, so that the files of a node that left are
-told from this one's.
+(the same on every node and every restart), the restart count and the restarts allowed,
+the node's rank in this attempt (``GROUP_RANK``) and the ranks. Snapshots are named by
+the run, so that two jobs on one node never mix, and by attempt and node, so that the
+files of a node that left are told from this one's.
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ class Job:
     world_size: int
     local_rank: int
     local_world_size: int
+    max_restarts: int | None = None  # the restarts torchrun allows (None: not told)
+
+    @property
+    def last_attempt(self) -> bool:
+        """Whether torchrun's agent will restart no more: this attempt is its last."""
+        return self.max_restarts is not None and self.attempt >= self.max_restarts
 
     @classmethod
     def from_env(cls) -> Job:
@@ -60,6 +66,9 @@ class Job:
             world_size=int(env["WORLD_SIZE"]),
             local_rank=int(env["LOCAL_RANK"]),
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+            max_restarts=int(env["TORCHELASTIC_MAX_RESTARTS"])
+            if "TORCHELASTIC_MAX_RESTARTS" in env
+            else None,
         )
 
     def directory(self) -> Path:

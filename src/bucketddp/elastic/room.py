@@ -54,7 +54,8 @@ def estimate(values: Iterable[Any]) -> int:
     return total
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """``n`` bytes in words: ``"120.0 MiB"``."""
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
@@ -78,8 +79,8 @@ def problem(folder: Folder, need: int) -> str | None:
     if need > 0 and free < 2 * need:
         return (
             f"the snapshot folder {folder.path} (BUCKETDDP_SNAPSHOT_DIR, default /dev/shm) has "
-            f"{_size(free)} free, and two snapshots of this state need about "
-            f"{_size(2 * need)} on each node: {FIX_ROOM}"
+            f"{size_text(free)} free, and two snapshots of this state need about "
+            f"{size_text(2 * need)} on each node: {FIX_ROOM}"
         )
     return None
 
@@ -88,5 +89,6 @@ def no_room(path: object, nbytes: int, e: OSError) -> OSError:
     """The error for a snapshot file that cannot get its ``nbytes`` (``e``: ENOSPC)."""
     return OSError(
         errno.ENOSPC,
-        f"bucketddp: no room for a snapshot file of {_size(nbytes)} in {path} ({e}): {FIX_ROOM}",
+        f"bucketddp: no room for a snapshot file of {size_text(nbytes)} in {path} ({e}): "
+        f"{FIX_ROOM}",
     )

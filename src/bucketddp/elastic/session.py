@@ -4,7 +4,8 @@ The Trainer and Fabric strategies and the plain-loop helper each hold one ``Sess
 knows the job (``job.py``), opens and checks the node's private snapshot folder
 (``folder.py``) and gets the job's key (``secret.py``), writes this rank's share of every
 ``every``-th snapshot (``snapshots.py``), restores the newest one after a restart
-(``resume.py``), keeps at most two snapshots per node, and removes them on a clean finish.
+(``resume.py``), keeps at most two snapshots per node, and removes them when the job ends
+for good: on a clean finish, and at any other exit of its last attempt (``ending.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from ..notice import NOTICE, Preempted, stop_signals
 from . import room
+from .ending import LastAttempt
 from .files import data_name, scan
 from .folder import Folder, UnsafeFolder
 from .job import Job
@@ -51,6 +53,7 @@ class Session:
         self._folder: Folder | None = None
         self._key: bytes | None = None
         self._older_attempts_left = self.job.attempt > 0
+        self._last_attempt = LastAttempt(self.job, self._end_for_good)
 
     def _open_folder(self) -> Folder:
         """This node's checked snapshot folder, under the per-user parent (``Job``); raises
@@ -62,6 +65,7 @@ class Session:
                 raise UnsafeFolder(
                     f"bucketddp: refusing the snapshot folder: {e} ({FIX})"
                 ) from None
+            self._last_attempt.arm()
         return self._folder
 
     def _open(self) -> tuple[Folder, bytes]:
@@ -85,6 +89,7 @@ class Session:
         ``Preempted``."""
         if self._writer is not None:
             self._writer.wait()
+        self._last_attempt.disarm()  # a job started again with this run id resumes here
         dist.barrier(group=self.group)
         if NOTICE.pending or self.job.rank == 0:
             got = f"got signal {NOTICE.signum}; " if NOTICE.pending else ""
@@ -160,6 +165,14 @@ class Session:
             )
         return restored
 
+    def _end_for_good(self) -> int:
+        """Wait for this rank's writes, then remove the job's folder on this node (and the
+        per-user parent if it is left empty); the number of files removed."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        return self._folder.remove_all(parents=1) if self._folder is not None else 0
+
     def finish(self) -> None:
         """A clean finish: wait for this rank's writes, then remove the job's snapshots on
         this node. A collective."""
@@ -169,7 +182,8 @@ class Session:
         if dist.is_initialized():
             dist.barrier(group=self.group)
         if self.job.local_rank == 0:
-            self._open_folder().remove_all()
+            self._open_folder().remove_all(parents=1)
+        self._last_attempt.disarm()
         NOTICE.uninstall()
         if self._folder is not None:
             self._folder.close()

@@ -12,7 +12,8 @@ Every ``INTERVAL`` seconds the thread writes this rank's heartbeat to the fault 
 Ending a rank means raising ``RankFailedError`` or ``RankStalledError`` in its main thread
 (through a signal, so a sleep or a lock wait is interrupted too). A main thread that cannot
 take the exception within ``GRACE`` seconds (stuck in C++, as in a collective with a peer
-that will never answer) is ended with exit code 1 after the report is printed.
+that will never answer) is ended with exit code 1 after the report is printed, and after
+the callbacks given to ``before_forced_exit`` ran (``os._exit`` skips ``atexit``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any, Protocol
 
@@ -421,6 +423,11 @@ class Watchdog:
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.kill()
+        for last_word in list(_BEFORE_EXIT):
+            try:
+                last_word()
+            except Exception as e:  # the exit goes on
+                print(f"bucketddp: before the exit: {e!r}", file=sys.stderr, flush=True)
         os._exit(1)
 
 
@@ -483,6 +490,16 @@ def current() -> Watchdog | None:
 
 
 _ADOPTED: dict[int, Any] = {}
+_BEFORE_EXIT: list[Callable[[], object]] = []
+
+
+def before_forced_exit(callback: Callable[[], object], *, add: bool = True) -> None:
+    """Run ``callback()`` (from the watchdog's thread) before the watchdog ends this process
+    with ``os._exit``, which skips ``atexit``; ``add=False`` takes it back."""
+    if add and callback not in _BEFORE_EXIT:
+        _BEFORE_EXIT.append(callback)
+    elif not add and callback in _BEFORE_EXIT:
+        _BEFORE_EXIT.remove(callback)
 
 
 def adopt_children(children: dict[int, Any]) -> None:

@@ -1,0 +1,88 @@
+"""The job's last attempt: when this process exits, the node's snapshots go with it.
+
+Snapshots exist for torchrun's next restart. torchrun tells each worker which attempt it
+is (``TORCHELASTIC_RESTART_COUNT``) and how many restarts its agent allows
+(``TORCHELASTIC_MAX_RESTARTS``). On the last attempt, a worker that fails makes its agent
+stop the node's other workers and exit: no restart on this node will read its snapshots,
+and they hold shared memory (``/dev/shm``) the next job needs.
+
+So on the last attempt, once a session has opened the node's folder, ``LastAttempt`` is
+armed: when the process exits, by an exception (a collective that failed because a peer
+died, the watchdog's ``RankFailedError``), by ``sys.exit``, or through the watchdog's
+forced exit of a main thread stuck in C++, it waits for this rank's writes and removes the
+node's job folder, and the per-user parent if that is left empty. Every rank of the node
+does so on its way out, so the last to leave leaves nothing, whichever ranks died first.
+How the others end when one is SIGKILLed: torchrun's agent sends them SIGTERM, which the
+stop-signal handler (``notice.py``) only notes, and their next collective fails (or the
+watchdog names the dead peer and raises): they exit through Python, and ``atexit`` runs.
+
+Two endings disarm it, keeping the snapshots: a clean finish (``Session.finish`` removes
+them itself) and a stop on a notice (``Session.stop``): a preempted job may be started
+again with the same run id, and resumes from them. A process killed outright (SIGKILL, a
+lost node) removes nothing; ``python -m bucketddp.snapshots`` lists and removes what is
+left.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+from collections.abc import Callable
+
+from ..faults import monitor
+from .job import Job
+
+
+class LastAttempt:
+    """On the job's last attempt, ``remove()`` at this process's exit unless disarmed."""
+
+    def __init__(self, job: Job, remove: Callable[[], int]) -> None:
+        self.job = job
+        self._remove = remove
+        self._armed = False
+        self._lock = threading.Lock()
+
+    def arm(self) -> None:
+        """From now on, the exit removes the node's snapshots (a no-op before the last
+        attempt: a restart reads them)."""
+        if not self.job.last_attempt:
+            return
+        with self._lock:
+            if self._armed:
+                return
+            self._armed = True
+        atexit.register(self.at_exit)
+        monitor.before_forced_exit(self.at_exit)
+
+    def disarm(self) -> None:
+        """The snapshots are kept, or already removed: the exit leaves them."""
+        with self._lock:
+            self._armed = False
+        atexit.unregister(self.at_exit)
+        monitor.before_forced_exit(self.at_exit, add=False)
+
+    def at_exit(self) -> None:
+        """This process ends on the last attempt: remove the node's snapshots (once)."""
+        with self._lock:
+            armed, self._armed = self._armed, False
+        if not armed:
+            return
+        try:
+            removed = self._remove()
+        except Exception as e:  # the exit goes on; the command can remove them
+            print(
+                f"bucketddp: rank {self.job.rank} could not remove this node's snapshots: "
+                f"{e!r} (python -m bucketddp.snapshots list)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if removed:
+            print(
+                f"bucketddp: rank {self.job.rank} removed this node's snapshots: attempt "
+                f"{self.job.attempt} was the last torchrun allows (--max-restarts="
+                f"{self.job.max_restarts}), so no restart will read them",
+                file=sys.stderr,
+                flush=True,
+            )
