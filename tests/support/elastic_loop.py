@@ -1,13 +1,13 @@
 """A hand-written loop under torchrun with ``bucketddp.elastic``: run by test_elastic.py.
 
 Three epochs of 8 steps on 2 ranks (a shuffled ElasticSampler). In attempt 0, rank 1 kills
-itself (SIGKILL) when ``kill`` steps are done; torchrun restarts both workers and the loop
-resumes from the newest snapshot. Under ``ELASTIC_SIGNAL=TERM``, rank
-``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead (``notice_due``). Each rank logs
-every step it completes (and the attempt) to ``<out>/steps.rank<R>``; rank 0 saves the
-final weights to ``<out>/final.pt``. Under ``ELASTIC_PLANT=1`` the job runs with umask 0,
-and rank 0 plants files in its snapshot folder and records its modes
-(``elastic_planted.py``).
+itself (SIGKILL; SIGSTOP under ``ELASTIC_KILL=STOP``) when ``kill`` steps are done;
+torchrun restarts both workers and the loop resumes from the newest snapshot. Under
+``ELASTIC_SIGNAL=TERM``, rank ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead
+(``notice_due``). Each rank logs every step it completes (and the attempt) to
+``<out>/steps.rank<R>``; rank 0 saves the final weights to ``<out>/final.pt``. Under
+``ELASTIC_PLANT=1`` the job runs with umask 0, and rank 0 plants files in its snapshot
+folder and records its modes (``elastic_planted.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from bucketddp import BucketDataParallel
 from bucketddp.elastic import Elastic, ElasticSampler, init_process_group
 
 EPOCHS, BATCH = 3, 4
+# How rank 1 is stopped in attempt 0: SIGKILL, or under ELASTIC_KILL=STOP, SIGSTOP (a rank
+# that hangs without closing its connections, as a host that lost power does).
+KILL = signal.SIGSTOP if os.environ.get("ELASTIC_KILL") == "STOP" else signal.SIGKILL
 
 
 def dataset() -> TensorDataset:
@@ -74,7 +77,7 @@ def main(out: str, kill: int) -> None:
                 if notice_due(rank, job.steps, kill):
                     pass
                 elif attempt == 0 and rank == 1 and job.steps == kill:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), KILL)
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
