@@ -19,10 +19,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import uuid
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,34 +47,46 @@ pytest.importorskip("lightning")
 SCRIPT = SUPPORT / "elastic_lightning.py"
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The uninterrupted Trainer fit and Fabric loop, run once for the module's tests:
+    ``<path>/trainer`` and ``<path>/fabric`` hold their ``final.pt``."""
+    top = tmp_path_factory.mktemp("straight")
+    snapshots = Path("/dev/shm") / f"bucketddp-test-{uuid.uuid4().hex[:8]}"
+    try:
+        _run_and_compare(top, snapshots, {"trainer": ("trainer", "-1"), "fabric": ("fabric", "-1")})
+        yield top
+    finally:
+        shutil.rmtree(snapshots, ignore_errors=True)
+
+
 @pytest.mark.timeout(900)  # a hang guard: several torchrun jobs of Lightning
-def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path) -> None:
+def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path, straight: Path) -> None:
     runs = {
-        "trainer/straight": ("trainer", "-1"),
         "trainer/epoch_end": ("trainer", "16"),
         "trainer/mid_epoch": ("trainer", "11"),
         "stateful/mid_epoch": ("stateful", "11"),
-        "fabric/straight": ("fabric", "-1"),
         "fabric/epoch_end": ("fabric", "16"),
         "fabric/mid_epoch": ("fabric", "11"),
     }
-    _run_and_compare(tmp_path, shm, runs)
+    _run_and_compare(tmp_path, shm, runs, straight)
 
 
 @pytest.mark.timeout(900)  # a hang guard: several torchrun jobs of Lightning
-def test_a_stop_signal_costs_no_step(tmp_path: Path, shm: Path) -> None:
+def test_a_stop_signal_costs_no_step(tmp_path: Path, shm: Path, straight: Path) -> None:
     runs = {
-        "trainer/straight": ("trainer", "-1"),
-        "fabric/straight": ("fabric", "-1"),
         "trainer/sigterm1": ("trainer", "13"),
         "trainer/sigterm0": ("trainer", "13"),
         "fabric/sigterm1": ("fabric", "13"),
     }
-    _run_and_compare(tmp_path, shm, runs)
+    _run_and_compare(tmp_path, shm, runs, straight)
 
 
-def _run_and_compare(tmp_path: Path, shm: Path, runs: dict[str, tuple[str, str]]) -> None:
-    """Run ``runs`` (name: mode, step), 3 at a time, and compare each with its straight run."""
+def _run_and_compare(
+    tmp_path: Path, shm: Path, runs: dict[str, tuple[str, str]], straight: Path | None = None
+) -> None:
+    """Run ``runs`` (name: mode, step), 3 at a time, and compare each with the uninterrupted
+    run of its family in ``straight`` (with none given: only run them)."""
     outputs: dict[str, str] = {}
 
     def run(name: str) -> None:
@@ -85,12 +100,13 @@ def _run_and_compare(tmp_path: Path, shm: Path, runs: dict[str, tuple[str, str]]
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         list(pool.map(run, runs))
+    assert not any(shm.glob("**/*.meta")), "snapshots left after a clean finish"
+    if straight is None:
+        return
     for name in runs:
-        if name.endswith("straight"):
-            continue
         out, family = tmp_path / name, name.split("/")[0]
-        straight = tmp_path / ("fabric" if family == "fabric" else "trainer") / "straight"
-        assert same_weights(out / "final.pt", straight / "final.pt"), name
+        reference = straight / ("fabric" if family == "fabric" else "trainer")
+        assert same_weights(out / "final.pt", reference / "final.pt"), name
         for rank in (0, 1):
             assert len(done_twice(out, rank)) <= 1, (name, rank, done_twice(out, rank))
         written = sorted(p.name for p in out.iterdir())
@@ -99,7 +115,6 @@ def _run_and_compare(tmp_path: Path, shm: Path, runs: dict[str, tuple[str, str]]
             assert_stopped_together(out, outputs[name], stop=14)
         else:
             assert "attempt 1" in (out / "steps.rank1").read_text(), f"{name} did not restart"
-    assert not any(shm.glob("**/*.meta")), "snapshots left after a clean finish"
 
 
 def _agent(out: Path, port: int, host: bool, env: dict[str, str]) -> subprocess.Popen[bytes]:

@@ -3,7 +3,8 @@
 A rank's watchdog starts with the wrapper and its thread makes store calls from then on.
 A process that exits while such a call is in flight used to end by SIGABRT ("terminate
 called without an active exception") about one job in three, and torchrun then reported
-the job FAILED. Ten jobs, two at a time, must all exit 0 with no signal; the count over
+the job FAILED. Four jobs, two at a time, must all exit 0 (a one-in-three abort would show
+in four jobs out of five such runs) with no signal; the count over
 hundreds of runs per entry point is ``python3 dev.py bench-exits``.
 """
 
@@ -18,7 +19,7 @@ from lightning_runs import SUPPORT, run_script
 
 pytest.importorskip("lightning")
 
-JOBS = 10
+JOBS = 4
 
 
 def _job(_: int) -> str:
@@ -33,7 +34,7 @@ def _job(_: int) -> str:
     return run_script(cmd, timeout=300)  # asserts exit 0 and no "terminate called"
 
 
-@pytest.mark.timeout(900)  # a hang guard: ten jobs on a busy 2-core machine
+@pytest.mark.timeout(900)  # a hang guard: four jobs on a busy 2-core machine
 def test_fabric_under_torchrun_exits_cleanly_right_after_setup() -> None:
     with ThreadPoolExecutor(max_workers=2) as pool:
         outputs = list(pool.map(_job, range(JOBS)))
