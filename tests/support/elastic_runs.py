@@ -42,7 +42,12 @@ def standalone(restarts: int, run_id: str | None = None) -> list[str]:
 def agent(port: int, *, host: bool, conf: str = "") -> list[str]:
     """torchrun's command up to the script for one of two agents of one worker each on this
     machine (``--nnodes=1:2``, a c10d rendezvous on ``port``, which the ``host`` agent
-    serves; one restart). ``conf`` adds rendezvous options (``,key=value...``)."""
+    serves; one restart). ``conf`` adds rendezvous options (``,key=value...``).
+
+    ``last_call_timeout=10``: the first round waits that long for the second agent once the
+    first has joined. Both import torch at once, and on a busy machine one may join seconds
+    after the other; a round formed without it would leave it to join a running job (which
+    deadlocks torchrun's rendezvous). The survivor's round after a loss waits as long."""
     return [
         sys.executable,
         "-m",
@@ -52,7 +57,7 @@ def agent(port: int, *, host: bool, conf: str = "") -> list[str]:
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint=127.0.0.1:{port}",
         f"--rdzv-id=job{port}",
-        f"--rdzv-conf=is_host={int(host)},last_call_timeout=2{conf}",
+        f"--rdzv-conf=is_host={int(host)},last_call_timeout=10{conf}",
         "--max-restarts=1",
         "--monitor-interval=0.1",
     ]
