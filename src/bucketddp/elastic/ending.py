@@ -30,7 +30,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from ..faults import monitor
+from ..faults import last_words
 from .job import Job
 
 
@@ -53,14 +53,14 @@ class LastAttempt:
                 return
             self._armed = True
         atexit.register(self.at_exit)
-        monitor.before_forced_exit(self.at_exit)
+        last_words.before_forced_exit(self.at_exit)
 
     def disarm(self) -> None:
         """The snapshots are kept, or already removed: the exit leaves them."""
         with self._lock:
             self._armed = False
         atexit.unregister(self.at_exit)
-        monitor.before_forced_exit(self.at_exit, add=False)
+        last_words.before_forced_exit(self.at_exit, add=False)
 
     def at_exit(self) -> None:
         """This process ends on the last attempt: remove the node's snapshots (once)."""

@@ -13,7 +13,7 @@ Ending a rank means raising ``RankFailedError`` or ``RankStalledError`` in its m
 (through a signal, so a sleep or a lock wait is interrupted too). A main thread that cannot
 take the exception within ``GRACE`` seconds (stuck in C++, as in a collective with a peer
 that will never answer) is ended with exit code 1 after the report is printed, and after
-the callbacks given to ``before_forced_exit`` ran (``os._exit`` skips ``atexit``).
+the callbacks of ``last_words.py`` ran (``os._exit`` skips ``atexit``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any, Protocol
 
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from ..notice import Preempted
 from ..reducer.inflight import describe
 from ..reducer.state import ReducerState
+from . import last_words
 from . import progress as prog
 from .board import CONNECT_TIMEOUT, Board, default_store
 from .foreign import collective_of
@@ -423,11 +423,7 @@ class Watchdog:
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.kill()
-        for last_word in list(_BEFORE_EXIT):
-            try:
-                last_word()
-            except Exception as e:  # the exit goes on
-                print(f"bucketddp: before the exit: {e!r}", file=sys.stderr, flush=True)
+        last_words.run()
         os._exit(1)
 
 
@@ -490,16 +486,6 @@ def current() -> Watchdog | None:
 
 
 _ADOPTED: dict[int, Any] = {}
-_BEFORE_EXIT: list[Callable[[], object]] = []
-
-
-def before_forced_exit(callback: Callable[[], object], *, add: bool = True) -> None:
-    """Run ``callback()`` (from the watchdog's thread) before the watchdog ends this process
-    with ``os._exit``, which skips ``atexit``; ``add=False`` takes it back."""
-    if add and callback not in _BEFORE_EXIT:
-        _BEFORE_EXIT.append(callback)
-    elif not add and callback in _BEFORE_EXIT:
-        _BEFORE_EXIT.remove(callback)
 
 
 def adopt_children(children: dict[int, Any]) -> None:
