@@ -75,6 +75,12 @@ class Job:
         """This job's snapshot folder on this node: ``<root>/bucketddp-<uid>/<run id>``, the
         root ``BUCKETDDP_SNAPSHOT_DIR`` or /dev/shm. The per-user parent is private, so no
         other user can make or see a job's folder (``folder.py`` checks both)."""
-        root = Path(os.environ.get("BUCKETDDP_SNAPSHOT_DIR", DEFAULT_ROOT))
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.run_id)[:100].lstrip(".") or "_"
-        return root / f"bucketddp-{os.geteuid()}" / safe
+        return user_folder() / safe
+
+
+def user_folder(root: str | Path | None = None) -> Path:
+    """This user's snapshot folder, ``<root>/bucketddp-<uid>``: the root ``root``, else
+    ``BUCKETDDP_SNAPSHOT_DIR``, else /dev/shm."""
+    base = root if root is not None else os.environ.get("BUCKETDDP_SNAPSHOT_DIR", DEFAULT_ROOT)
+    return Path(base) / f"bucketddp-{os.geteuid()}"

@@ -29,17 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .folder import Folder, UnsafeFolder
-from .job import DEFAULT_ROOT
+from .job import user_folder
 from .room import size_text
 
 PROG = "python -m bucketddp.snapshots"
-
-
-def user_folder(root: str | Path | None = None) -> Path:
-    """This user's snapshot folder: ``<root>/bucketddp-<uid>``, the root ``root``, else
-    ``BUCKETDDP_SNAPSHOT_DIR``, else /dev/shm (as ``Job.directory`` names it)."""
-    base = root if root is not None else os.environ.get("BUCKETDDP_SNAPSHOT_DIR", DEFAULT_ROOT)
-    return Path(base) / f"bucketddp-{os.geteuid()}"
 
 
 @dataclass(frozen=True)
