@@ -3,6 +3,7 @@
     python3 dev.py bench-exits                          # 200 runs per entry point and system
     python3 dev.py bench-exits --runs 20 --entry fabric engine
     python3 dev.py bench-exits --python /path/to/venv/bin/python   # e.g. a wheel install
+    python3 dev.py bench-exits --append --runs 20       # add 20 rounds to the saved counts
 
 Each run is a fresh job of two CPU ranks that trains three steps and exits, with
 bucketddp and, interleaved run by run, with the reference the same entry point offers
@@ -231,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=sys.executable, help="the interpreter the runs use")
     p.add_argument("--timeout", type=float, default=300.0, help="hang guard per run, seconds")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "exits.json")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add to the runs already in --json, so that counts add up over several sittings",
+    )
     p.add_argument("--child", nargs=2, metavar=("ENTRY", "SYSTEM"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -240,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     hogs = _hogs(args.hogs)
     runs: list[dict[str, Any]] = []
+    if args.append and args.json.exists():
+        runs = json.loads(args.json.read_text())["runs"]
+        print(f"adding to {len(runs)} earlier runs from {args.json}:\n{report(runs)}", flush=True)
     try:
         for i in range(args.runs):
             for entry in args.entry:

@@ -34,6 +34,7 @@ from .module_checks import (
 from .options import DEFAULT_STALL_TIMEOUT, EngineOptions, ForwardSyncSwitch
 from .placement import input_device, reduce_group
 from .reducer import NO_TRAINABLE, CommStats, Reducer
+from .reducer.launch import hook_state
 from .reducer.order import learned_order, load_order
 from .reducer.recovery import discard_step, step_unfinished
 from .syncbn import separate_group
@@ -371,14 +372,17 @@ class BucketDataParallel(nn.Module, Joinable):
         The hooks of ``torch.distributed.algorithms.ddp_comm_hooks`` work as they do with
         torch DDP (``allreduce_hook``, ``fp16_compress_hook``, PowerSGD, ...). The hook gets
         the bucket's local gradients, not yet averaged; its future holds the reduced buffer.
-        Once per wrapper, between steps. SyncBatchNorm layers that normalize over the
-        wrapper's group are moved to a private copy of it (see ``docs/syncbn.md``). See
-        ``docs/comm-hooks.md``.
+        Once per wrapper, between steps. SyncBatchNorm layers over the wrapper's group move
+        to a private copy of it (``docs/syncbn.md``). See ``docs/comm-hooks.md``.
         """
         self.reducer.register_comm_hook(state, hook)
-        # A hook may launch collectives from another thread (its futures' callbacks), which
-        # would race SyncBatchNorm's all-reduces on the same group: those move to their own.
+        # A hook's callbacks may launch collectives on another thread: SyncBatchNorm's move.
         separate_group(self.module, self.process_group)
+
+    @property
+    def comm_hook_state(self) -> Any:
+        """The registered communication hook's state (``None`` without a hook)."""
+        return hook_state(self.reducer.launcher)
 
     @property
     def bucket_plan(self) -> BucketPlan:

@@ -10,6 +10,8 @@
   the Fabric loop, once 13 steps are done: every rank stops after step 14 with a snapshot
   of it, torchrun restarts them, and the job exits 0, bit-equal, with no step done twice
   (and without waiting for ``stall_timeout``: Lightning's own handler never runs).
+- With PowerSGD, rank 1 SIGKILLed after 13 steps of the Trainer fit and the Fabric loop:
+  bit-equal to the same run uninterrupted (the hook's state is in the snapshots).
 - A node lost: two torchrun agents on this machine (``--nnodes=1:2``), one killed with its
   worker mid-epoch; the other goes on at world size 1, every epoch uses every row exactly
   once, and a ``"sum"`` buffer counts every row once.
@@ -82,21 +84,46 @@ def test_a_stop_signal_costs_no_step(tmp_path: Path, shm: Path, straight: Path) 
     _run_and_compare(tmp_path, shm, runs, straight)
 
 
+@pytest.mark.timeout(900)  # a hang guard: several torchrun jobs of Lightning
+def test_a_comm_hooks_state_survives_a_kill(tmp_path: Path, shm: Path) -> None:
+    """PowerSGD (rank 1, from step 2), rank 1 SIGKILLed once 13 steps are done: the error
+    feedback, memories and generator come back, and the weights are bit-equal."""
+    runs = {
+        "trainer/straight": ("trainer", "-1"),
+        "trainer/killed": ("trainer", "13"),
+        "fabric/straight": ("fabric", "-1"),
+        "fabric/killed": ("fabric", "13"),
+    }
+    _run_and_compare(tmp_path, shm, runs, env={"ELASTIC_POWERSGD": "1"})
+    for family in ("trainer", "fabric"):
+        out = tmp_path / family / "killed"
+        assert "attempt 1" in (out / "steps.rank1").read_text(), f"{family} did not restart"
+        for rank in (0, 1):
+            assert len(done_twice(out, rank)) <= 1, (family, rank, done_twice(out, rank))
+        reference = tmp_path / family / "straight" / "final.pt"
+        assert same_weights(out / "final.pt", reference), family
+
+
 def _run_and_compare(
-    tmp_path: Path, shm: Path, runs: dict[str, tuple[str, str]], straight: Path | None = None
+    tmp_path: Path,
+    shm: Path,
+    runs: dict[str, tuple[str, str]],
+    straight: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
-    """Run ``runs`` (name: mode, step), 3 at a time, and compare each with the uninterrupted
-    run of its family in ``straight`` (with none given: only run them)."""
+    """Run ``runs`` (name: mode, step), 3 at a time (``env`` added to each), and compare
+    each with the uninterrupted run of its family in ``straight`` (with none given: only
+    run them)."""
     outputs: dict[str, str] = {}
 
     def run(name: str) -> None:
         out = tmp_path / name
         out.mkdir(parents=True)
         mode, kill = runs[name]
-        env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm / name.replace("/", "-"))}
+        job = {"BUCKETDDP_SNAPSHOT_DIR": str(shm / name.replace("/", "-")), **(env or {})}
         if "sigterm" in name:
-            env.update(ELASTIC_SIGNAL="TERM", ELASTIC_SIGNAL_RANK=name[-1])
-        outputs[name] = torchrun(SCRIPT, mode, str(out), kill, env=env)
+            job.update(ELASTIC_SIGNAL="TERM", ELASTIC_SIGNAL_RANK=name[-1])
+        outputs[name] = torchrun(SCRIPT, mode, str(out), kill, env=job)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         list(pool.map(run, runs))

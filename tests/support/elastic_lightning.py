@@ -8,6 +8,8 @@ StatefulDataLoader (``stateful``), or the same loop under Fabric with
 ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead (``elastic_loop.notice_due``).
 Each rank logs the steps it completes to ``OUT/steps.rank<R>``; rank 0 saves the final
 weights to ``OUT/final.pt``. Nothing else is written: no logger, no checkpoint callback.
+Under ``ELASTIC_POWERSGD=1`` the strategy reduces with torch's ``powerSGD_hook`` (rank 1,
+compressing from step 2), whose state must survive the restart too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.utils.data import DataLoader
 
 from bucketddp import BucketDDP, BucketFabricDDP
@@ -35,6 +38,14 @@ def _net() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 2)
     )
+
+
+def _hook() -> dict[str, Any]:
+    """The strategy's comm hook options: PowerSGD under ``ELASTIC_POWERSGD=1``, else none."""
+    if os.environ.get("ELASTIC_POWERSGD") != "1":
+        return {}
+    state = powerSGD.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    return {"ddp_comm_state": state, "ddp_comm_hook": powerSGD.powerSGD_hook}
 
 
 def _kill_if_due(rank: int, done: int, kill: int) -> None:
@@ -82,7 +93,7 @@ def trainer(out: str, kill: int, stateful: bool) -> None:
     fit = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=BucketDDP(elastic=True),
+        strategy=BucketDDP(elastic=True, **_hook()),
         max_steps=EPOCHS * 8,
         callbacks=[StepLog(out)],
         logger=False,
@@ -97,7 +108,7 @@ def trainer(out: str, kill: int, stateful: bool) -> None:
 
 
 def fabric(out: str, kill: int) -> None:
-    fab = Fabric(accelerator="cpu", devices=2, strategy=BucketFabricDDP(elastic=True))
+    fab = Fabric(accelerator="cpu", devices=2, strategy=BucketFabricDDP(elastic=True, **_hook()))
     fab.launch()
     net = _net()
     model, opt = fab.setup(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))

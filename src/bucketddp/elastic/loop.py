@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import hook_state
 from ..notice import NOTICE
 from ..parallel import BucketDataParallel
 from . import rng, room
@@ -40,6 +41,25 @@ def adopt_plan(wrapper: BucketDataParallel, plan: dict[str, Any]) -> None:
         wrapper.load_bucket_sizes(*plan["sizes"])
     if plan.get("order") is not None:
         wrapper.load_bucket_order(plan["order"])
+
+
+def hook_parts(wrapper: BucketDataParallel) -> tuple[dict[str, Any], Any]:
+    """The wrapper's communication hook state for a snapshot: (shared entry, own part)."""
+    shared, own = hook_state.capture(wrapper.comm_hook_state)
+    return {"shared": shared, "has_own": own is not None}, own
+
+
+def restore_hook(wrapper: BucketDataParallel, entry: dict[str, Any] | None, own: Any) -> None:
+    """Put back what ``hook_parts`` kept (``own`` is None at another world size)."""
+    if entry is None or (entry["shared"] is None and not entry["has_own"]):
+        return
+    state = wrapper.comm_hook_state
+    if state is None:
+        raise RuntimeError(
+            "bucketddp: the snapshot holds a communication hook's state, but no hook is "
+            "registered on the wrapper yet: call register_comm_hook before resuming"
+        )
+    hook_state.restore(state, entry["shared"], own, had_own=entry["has_own"])
 
 
 def rank_local_buffers(wrapper: BucketDataParallel) -> dict[str, Any]:
@@ -137,6 +157,10 @@ class Elastic:
             for name, values in own["rank_local"].items():
                 if (wrapper := wrapper_of(self.state.get(name))) is not None:
                     load_rank_local(wrapper, values)
+        for name, entry in saved.get("hooks", {}).items():
+            if (wrapper := wrapper_of(self.state.get(name))) is not None:
+                mine = own.get("hooks", {}).get(name) if own is not None else None
+                restore_hook(wrapper, entry, mine)
         return True
 
     def step(self, batches: int = 1) -> None:
@@ -150,14 +174,15 @@ class Elastic:
             self._agree_on_notice()
         if not self.session.due(self.steps):
             return
-        saved: dict[str, Any] = {"state": {}, "plans": {}, "steps": self.steps}
-        own: dict[str, Any] = {"rng": rng.capture(), "rank_local": {}}
+        saved: dict[str, Any] = {"state": {}, "plans": {}, "hooks": {}, "steps": self.steps}
+        own: dict[str, Any] = {"rng": rng.capture(), "rank_local": {}, "hooks": {}}
         for name, value in self.state.items():
             wrapper = wrapper_of(value)
             if wrapper is not None:
                 wrapper.sync_buffers()  # the buffers by their policies, as a checkpoint has them
                 saved["plans"][name] = plan_of(wrapper)
                 own["rank_local"][name] = rank_local_buffers(wrapper)
+                saved["hooks"][name], own["hooks"][name] = hook_parts(wrapper)
             saved["state"][name] = value.state_dict() if hasattr(value, "state_dict") else value
         saved["position"] = position
         self.session.take(self.steps, saved, own)

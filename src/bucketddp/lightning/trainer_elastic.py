@@ -13,6 +13,8 @@ to the Trainer, through the strategy's hooks and one callback:
 - after each ``snapshot_every``-th optimizer step (``on_train_batch_end``, where a
   ``ModelCheckpoint(every_n_train_steps=...)`` saves), the checkpoint Lightning would save
   goes to shared memory instead, with each rank's RNG states and rank-local buffers;
+- the communication hook's state (PowerSGD's) goes with them: what every rank shares in
+  the checkpoint, the rest with the rank's own part (``bucketddp.hook_state``);
 - the first training step after a resume puts those back; a fit that ends normally removes
   the job's snapshots;
 - a stop signal (SIGTERM, SIGUSR1: ``bucketddp.notice``) on any rank stops every rank after
@@ -37,7 +39,7 @@ from torch.utils.data import DistributedSampler
 
 from ..elastic import rng, room
 from ..elastic.job import NOT_UNDER_TORCHRUN, under_torchrun
-from ..elastic.loop import load_rank_local, rank_local_buffers
+from ..elastic.loop import hook_parts, load_rank_local, rank_local_buffers, restore_hook
 from ..elastic.resume import Restored
 from ..elastic.sampler import ElasticSampler
 from ..elastic.session import Session
@@ -48,6 +50,8 @@ TOKEN = "bucketddp-elastic://newest-snapshot"
 """The ``ckpt_path`` that stands for the agreed snapshot."""
 ENTRY = "bucketddp_elastic"
 """The checkpoint entry with the training sampler's position."""
+HOOK_ENTRY = "bucketddp_comm_hook"
+"""The snapshot's entry with the communication hook's shared state."""
 
 
 class _FollowingSampler(ElasticSampler):
@@ -86,6 +90,8 @@ class TrainerElastic:
         self.batch_size = 0
         self._own: Any = None  # this rank's own part, until the first training step
         self._position: dict[str, Any] | None = None  # the sampler's, from the snapshot
+        # The comm hook's (shared entry, own part), until the first training step.
+        self._hook: tuple[dict[str, Any], Any] | None = None
         self._last_step = -1
 
     def before_fit(self, strategy: Any, trainer: Any, user_ckpt_path: Any) -> None:
@@ -125,6 +131,8 @@ class TrainerElastic:
         if trainer.ckpt_path == TOKEN:
             trainer.ckpt_path = None  # a later validate() or test() loads what it is told
         self._position = restored.state.get(ENTRY)
+        if (entry := restored.state.get(HOOK_ENTRY)) is not None:
+            self._hook = entry, (restored.own or {}).get("hooks")
         self._resume_sampler()
         if self._position is not None and self._position["epoch_end"]:
             # Taken on an epoch's last batch: the fit that went on made the next epoch's
@@ -154,6 +162,9 @@ class TrainerElastic:
         and rank-local buffers, where the interrupted fit took them: mid-epoch, after the
         loader's iterator was made, at the first training step."""
         self._restore_own(wrapped)
+        if wrapped is not None and self._hook is not None:
+            restore_hook(wrapped, *self._hook)
+            self._hook = None
 
     def _restore_own(self, wrapped: BucketDataParallel | None) -> None:
         own = self._own
@@ -192,6 +203,7 @@ class TrainerElastic:
                 "epoch_end": progress >= trainer.num_training_batches,
             }
         own = {"rng": rng.capture(), "rank_local": rank_local_buffers(wrapped)}
+        checkpoint[HOOK_ENTRY], own["hooks"] = hook_parts(wrapped)
         session.take(step, checkpoint, own)
         if NOTICE.agreed:
             session.stop(step)

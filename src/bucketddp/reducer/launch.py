@@ -85,7 +85,7 @@ class HookLauncher:
 
     def __init__(self, group: dist.ProcessGroup | None, state: Any, hook: CommHook) -> None:
         self._group = group
-        self._state = state
+        self.state = state
         self.hook = hook
         self.ordered = launches_from_callbacks(hook)
         self._sum = AsyncSum(group)
@@ -111,9 +111,9 @@ class HookLauncher:
         bucket = GradBucket(k, grads, views, params, last)  # type: ignore[arg-type]
         previous = self._tail if self.ordered and k > 0 else None
         if previous is None or previous.done():
-            future = run_hook(self.hook, self._state, bucket)
+            future = run_hook(self.hook, self.state, bucket)
         else:
-            call = functools.partial(run_hook, self.hook, self._state, bucket)
+            call = functools.partial(run_hook, self.hook, self.state, bucket)
             future = call_after(previous, call)
         self._tail = future
         return future
@@ -203,6 +203,12 @@ class CheckedLauncher:
 
 
 Launcher = AllReduceLauncher | HookLauncher | CheckedLauncher
+
+
+def hook_state(launcher: Launcher) -> Any:
+    """The registered communication hook's state, or None without a hook."""
+    inner = launcher.inner if isinstance(launcher, CheckedLauncher) else launcher
+    return inner.state if isinstance(inner, HookLauncher) else None
 
 
 def checked(r: ReducerState, launcher: AllReduceLauncher | HookLauncher) -> Launcher:
