@@ -12,6 +12,8 @@
   (and without waiting for ``stall_timeout``: Lightning's own handler never runs).
 - With PowerSGD, rank 1 SIGKILLed after 13 steps of the Trainer fit and the Fabric loop:
   bit-equal to the same run uninterrupted (the hook's state is in the snapshots).
+- With PowerSGD, a Trainer checkpoint saved after step 16 and resumed by a new fit with
+  ``ckpt_path``: bit-equal to the fit that went on.
 - A node lost: two torchrun agents on this machine (``--nnodes=1:2``), one killed with its
   worker mid-epoch; the other goes on at world size 1, every epoch uses every row exactly
   once, and a ``"sum"`` buffer counts every row once.
@@ -102,6 +104,18 @@ def test_a_comm_hooks_state_survives_a_kill(tmp_path: Path, shm: Path) -> None:
             assert len(done_twice(out, rank)) <= 1, (family, rank, done_twice(out, rank))
         reference = tmp_path / family / "straight" / "final.pt"
         assert same_weights(out / "final.pt", reference), family
+
+
+@pytest.mark.timeout(600)  # a hang guard: one torchrun job of two fits
+def test_a_comm_hooks_state_is_in_trainer_checkpoints(tmp_path: Path) -> None:
+    """PowerSGD: a checkpoint saved after step 16 (rank 0 writes it; each rank's error
+    feedback is gathered into it), resumed by a new fit with ``ckpt_path``: bit-equal to the
+    fit that went on."""
+    torchrun(SCRIPT, "checkpoint", str(tmp_path), "16", restarts=0, env={"ELASTIC_POWERSGD": "1"})
+    assert same_weights(tmp_path / "final.pt", tmp_path / "straight.pt")
+    for rank in (0, 1):
+        steps = (tmp_path / f"steps.rank{rank}").read_text().split()[1::4]
+        assert steps == [str(s) for s in range(17, 25)], (rank, steps)  # steps 17 to 24
 
 
 def _run_and_compare(

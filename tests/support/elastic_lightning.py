@@ -8,8 +8,10 @@ StatefulDataLoader (``stateful``), or the same loop under Fabric with
 ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead (``elastic_loop.notice_due``).
 Each rank logs the steps it completes to ``OUT/steps.rank<R>``; rank 0 saves the final
 weights to ``OUT/final.pt``. Nothing else is written: no logger, no checkpoint callback.
-Under ``ELASTIC_POWERSGD=1`` the strategy reduces with torch's ``powerSGD_hook`` (rank 1,
-compressing from step 2), whose state must survive the restart too.
+Mode ``checkpoint`` instead saves a checkpoint after step ``KILL`` and resumes a new fit
+from it with ``ckpt_path`` (no kill, no elastic). Under ``ELASTIC_POWERSGD=1`` the strategy
+reduces with torch's ``powerSGD_hook`` (rank 1, compressing from step 2), whose state must
+survive the restart too.
 """
 
 from __future__ import annotations
@@ -33,10 +35,10 @@ from elastic_loop import BATCH, EPOCHS, dataset, notice_due
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def _net() -> torch.nn.Module:
+def _net(dropout: float = 0.1) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.Dropout(0.1), torch.nn.Linear(32, 2)
+        torch.nn.Linear(8, 32), torch.nn.Dropout(dropout), torch.nn.Linear(32, 2)
     )
 
 
@@ -137,6 +139,41 @@ def fabric(out: str, kill: int) -> None:
         torch.save(net.state_dict(), f"{out}/final.pt")
 
 
+class SaveAt(pl.Callback):
+    """Saves a checkpoint after step ``step``, as ``ModelCheckpoint(every_n_train_steps)``."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+def checkpoint(out: str, at: int) -> None:
+    """A fit of 24 steps (no elastic, no dropout) saving a checkpoint after step ``at``, then
+    a new fit (new module, optimizer and comm hook state) from it: ``OUT/straight.pt`` and
+    ``OUT/final.pt`` hold each one's final weights."""
+    for name, ckpt in (("straight", None), ("final", f"{out}/step{at}.ckpt")):
+        model = Module(out, -1, stateful=False)
+        model.net = _net(dropout=0.0)
+        fit = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=BucketDDP(**_hook()),
+            max_steps=EPOCHS * 8,
+            callbacks=[StepLog(out)] if ckpt else [SaveAt(at, f"{out}/step{at}.ckpt")],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=out,
+        )
+        fit.fit(model, ckpt_path=ckpt)
+        if fit.global_rank == 0:
+            torch.save(model.net.state_dict(), f"{out}/{name}.pt")
+
+
 class Counting(pl.LightningModule):
     """Logs the rows it trains on; its ``seen`` buffer sums them over the ranks."""
 
@@ -195,6 +232,8 @@ if __name__ == "__main__":
     mode, out, kill = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if mode == "fabric":
         fabric(out, kill)
+    elif mode == "checkpoint":
+        checkpoint(out, kill)
     elif mode == "nodes":
         nodes(out, kill)
     else:

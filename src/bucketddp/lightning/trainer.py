@@ -9,7 +9,8 @@ while fitting, the LightningModule is wrapped in ``BucketDataParallel`` instead 
   ``BucketDataParallel.no_sync``;
 - buffers are synced by their policies before validation, before a checkpoint is written
   and at the end of fit;
-- the learned bucket order travels in the checkpoint under ``checkpoint["bucketddp"]``;
+- the learned bucket order travels in the checkpoint under ``checkpoint["bucketddp"]``, a
+  stateful comm hook's state under ``"bucketddp_comm_hook"`` (``hook_checkpoint.py``);
 - a checkpoint only rank 0 can see is read there and sent to the others
   (``bucketddp.checkpoint``);
 - a fit resumed from a checkpoint starts its first epoch where the uninterrupted fit would:
@@ -18,8 +19,7 @@ while fitting, the LightningModule is wrapped in ``BucketDataParallel`` instead 
 - ``sync_batchnorm`` converts BatchNorm layers to ``bucketddp.SyncBatchNorm``, which also
   works on CPU/gloo, and converts them back at teardown.
 
-It is one of the strategy modules, the only ones that import Lightning (with
-``trainer_launcher.py``, ``fabric.py``, ``fabric_launcher.py`` and ``comm_monitor.py``).
+Like the other modules of ``bucketddp.lightning``, it imports Lightning.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from .common import (
     init_restartable_group,
     register_twins,
 )
+from .hook_checkpoint import HookCheckpoint
 from .layer_sync import TORCH_SYNCBN_REPLACED, BucketSyncBatchNorm
 from .plans import adopt_plan, plan_entry
 from .sampler_epoch import SavedLoaders, realign_sampler_epoch
@@ -196,6 +197,7 @@ class BucketDDP(DDPStrategy):
         self._checkpoint_source = check_source(checkpoint_source)
         self._engine_options = options.engine
         self._comm_hook = options.comm_hook
+        self._hook_checkpoint = HookCheckpoint(self._comm_hook)
         # Set before DDPStrategy.__init__, which assigns ``_layer_sync`` (our property).
         self._sync_batchnorm = sync_batchnorm
         # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``: ours, checked,
@@ -215,12 +217,9 @@ class BucketDDP(DDPStrategy):
             model_averaging_period=model_averaging_period,
             **self._engine_options.keywords(),
         )
-        # The order from a loaded checkpoint, until the wrapper adopts it.
-        self._saved_plan: dict[str, Any] | None = None
-        # The order the last fit learned, for checkpoints saved after fit.
-        self._learned_plan: dict[str, Any] | None = None
-        # The training loaders' part of a loaded checkpoint, until fit's first epoch.
-        self._saved_loaders = SavedLoaders()
+        self._saved_plan: dict[str, Any] | None = None  # a loaded order, until wrapping
+        self._learned_plan: dict[str, Any] | None = None  # the last fit's, for later saves
+        self._saved_loaders = SavedLoaders()  # a loaded checkpoint's, until the first epoch
 
     # ------------------------------------------------------------------ SyncBatchNorm
     # The accelerator connector assigns ``strategy._layer_sync`` after construction: Lightning's
@@ -373,10 +372,11 @@ class BucketDDP(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """DDPStrategy's; after an elastic resume, the first one first puts back this
-        rank's RNG states and rank-local buffers."""
+        """DDPStrategy's; after a resume, the first one first puts back the comm hook's
+        state and (elastic) this rank's RNG states and rank-local buffers."""
         if self._elastic is not None:
             self._elastic.before_training_step(self._wrapped)
+        self._hook_checkpoint.restore(self.root_device)
         return super().training_step(*args, **kwargs)
 
     def plan_entry(self) -> dict[str, Any]:
@@ -418,8 +418,9 @@ class BucketDDP(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Add the learned bucket order (and tuned bucket sizes) under
-        ``checkpoint["bucketddp"]`` and save on rank 0."""
+        """Add the bucket plan (``checkpoint["bucketddp"]``) and a stateful comm hook's
+        state (``hook_checkpoint.py``: a collective), and save on rank 0."""
+        self._hook_checkpoint.save(checkpoint)
         wrapped = self._wrapped
         entry = plan_entry(wrapped) if wrapped is not None else self._learned_plan
         if entry:
@@ -446,6 +447,7 @@ class BucketDDP(DDPStrategy):
             checkpoint_path, source=self._checkpoint_source, read=read, exists=exists
         )
         self._saved_loaders = SavedLoaders.from_checkpoint(checkpoint)
+        self._hook_checkpoint.loaded(checkpoint)
         return checkpoint
 
     @override
