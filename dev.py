@@ -3,6 +3,7 @@
 
     python3 dev.py demo    # learn digits on 2 CPU processes, bucketddp beside torch DDP
     python3 dev.py test    # the test suite
+    python3 dev.py lint    # ruff, mypy, and the layer contracts (import-linter)
     python3 dev.py bench   # the engine benchmark (bucketddp vs torch DDP vs no communication)
     python3 dev.py bench-elastic   # elastic snapshots: step-time cost, shared memory, recovery
     python3 dev.py bench-exits   # clean exits under load: exits by a signal, per entry point
@@ -10,7 +11,6 @@
     python3 dev.py convergence   # accuracy with each comm hook, bucketddp and torch DDP
     python3 dev.py fuzz    # the engine fuzzer, outside the suite: --schedules 200, --replay SEED
     python3 dev.py fuzz-lightning   # the strategy fuzzer against "ddp": --schedules 100
-    python3 dev.py lint    # ruff and mypy
     python3 dev.py compat  # the compat subset on each supported torch x Lightning x Python:
                            # --only 'torch 2.6' (see tools/compat.py), --list
     python3 dev.py wheel   # build the sdist and wheel, twine check, run two examples from the wheel
@@ -42,6 +42,10 @@ VENV = ROOT / ".venv"
 DEMO_VENV = ROOT / ".venv-demo"
 CONSTRAINTS = ROOT / "constraints.txt"
 
+# import-linter's contracts (pyproject.toml); no cache file in the tree.
+LINT_IMPORTS = (
+    "from importlinter.cli import lint_imports_command as c; c(['--no-cache', '--no-logo'])"
+)
 COMMANDS = {
     "demo": [["examples/demo.py"]],
     "test": [["-m", "pytest", "-q"]],
@@ -66,6 +70,7 @@ COMMANDS = {
             "dev.py",
         ],
         ["-m", "mypy"],
+        ["-c", LINT_IMPORTS],
     ],
     "wheel": [["tests/support/check_wheel.py"]],
     "docs": [

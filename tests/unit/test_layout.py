@@ -1,18 +1,20 @@
-"""The package's shape: module and class sizes, and an import graph without cycles; and
-the test files' sizes.
-
-The reducer's core is meant to be read in one sitting, and features plug in around it;
-these checks keep that from eroding one change at a time.
+"""The package's shape: the layer contracts (import-linter, declared in pyproject.toml), an
+import graph without cycles, and generous size guards on modules, classes and test files.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import bucketddp
 
 PACKAGE = Path(bucketddp.__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from dev import LINT_IMPORTS  # noqa: E402  (the command dev.py lint runs)
 
 
 def _modules() -> dict[str, Path]:
@@ -45,18 +47,34 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return {t for t in out if t != name and not name.startswith(t + ".")}
 
 
-def test_no_module_over_500_lines_and_no_class_over_400() -> None:
+def test_the_layer_contracts_hold() -> None:
+    """import-linter's contracts in pyproject.toml: only ``bucketddp.lightning`` imports
+    Lightning, ``import bucketddp`` loads none of it, and neither the engine nor elastic
+    training imports the strategies."""
+    run = subprocess.run(
+        [sys.executable, "-c", LINT_IMPORTS],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "0 broken" in run.stdout, run.stdout[-4000:]
+
+
+def test_no_runaway_module_or_class() -> None:
+    """A generous guard, not a target: the layers are what import-linter checks."""
     too_long = []
     for name, path in _modules().items():
         text = path.read_text()
-        if text.count("\n") > 500:
+        if text.count("\n") > 800:
             too_long.append(f"module {name}: {text.count(chr(10))} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
                 lines = node.end_lineno - node.lineno + 1
-                if lines > 400:
+                if lines > 600:
                     too_long.append(f"class {name}.{node.name}: {lines} lines")
-    assert not too_long
+    assert not too_long, f"split these by concern: {too_long}"
 
 
 def test_no_test_file_over_600_lines() -> None:
@@ -67,11 +85,6 @@ def test_no_test_file_over_600_lines() -> None:
         if (n := p.read_text().count("\n")) > 600
     }
     assert not too_long, f"split these by concern: {too_long}"
-
-
-def test_the_reducer_core_reads_in_one_sitting() -> None:
-    lines = (PACKAGE / "reducer" / "core.py").read_text().count("\n")
-    assert lines <= 400, f"reducer/core.py has {lines} lines"
 
 
 def test_no_import_cycles() -> None:
@@ -92,25 +105,3 @@ def test_no_import_cycles() -> None:
         if name not in done:
             visit(name, [name], done)
     assert not cycles, cycles[:3]
-
-
-def test_lightning_is_imported_only_inside_bucketddp_lightning() -> None:
-    importers = set()
-    for name, path in _modules().items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = (
-                [node.module or ""]
-                if isinstance(node, ast.ImportFrom) and not node.level
-                else [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else []
-            )
-            if any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in names):
-                importers.add(name)
-    # The strategies, their launchers, the Trainer's elastic part, the callback and the CLI:
-    # all in bucketddp.lightning, whose __init__, registry, common and sampler_epoch modules
-    # stay free of Lightning (``import bucketddp`` loads the registry).
-    assert all(name.startswith("bucketddp.lightning.") for name in importers), importers
-    free = {f"bucketddp.lightning.{m}" for m in ("registry", "common", "sampler_epoch")}
-    assert not importers & (free | {"bucketddp.lightning"}), importers & free
-    assert "bucketddp.lightning.trainer" in importers and "bucketddp.lightning.fabric" in importers
