@@ -10,6 +10,10 @@
   the Fabric loop, once 13 steps are done: every rank stops after step 14 with a snapshot
   of it, torchrun restarts them, and the job exits 0, bit-equal, with no step done twice
   (and without waiting for ``stall_timeout``: Lightning's own handler never runs).
+- Rank 1 SIGKILLed after ``fit()`` returned (the Trainer's, and the Fabric loop's
+  ``finish()``), with 2 restarts allowed: the restart does no training step, its fit returns
+  at once with the final state (bit-equal), the job exits 0, and the node's workers'
+  clean exits leave nothing under the snapshot root.
 - A node lost: two torchrun agents on this machine (``--nnodes=1:2``), one killed with its
   worker mid-epoch; the other goes on at world size 1, every epoch uses every row exactly
   once, and a ``"sum"`` buffer counts every row once.
@@ -34,6 +38,7 @@ import pytest
 from elastic_runs import (
     agent,
     assert_stopped_together,
+    assert_trained_once,
     done_twice,
     same_weights,
     start,
@@ -80,6 +85,29 @@ def test_a_stop_signal_costs_no_step(tmp_path: Path, shm: Path, straight: Path) 
         "fabric/sigterm1": ("fabric", "13"),
     }
     _run_and_compare(tmp_path, shm, runs, straight)
+
+
+@pytest.mark.timeout(900)  # a hang guard: two torchrun jobs of Lightning
+def test_a_rank_killed_after_fit_returned_trains_nothing_again(
+    tmp_path: Path, shm: Path, straight: Path
+) -> None:
+    families = ("trainer", "fabric")
+
+    def run(family: str) -> str:
+        out = tmp_path / family
+        out.mkdir()
+        env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm / family), "ELASTIC_AFTER_FIT": "1"}
+        # 2 restarts: attempt 1 is not the last, so its clean exits remove the snapshots.
+        return torchrun(SCRIPT, family, str(out), "-1", restarts=2, env=env)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outputs = dict(zip(families, pool.map(run, families), strict=True))
+    for family, output in outputs.items():
+        out = tmp_path / family
+        assert_trained_once(out, output, shm / family)
+        assert same_weights(out / "final.pt", straight / family / "final.pt"), family
+    resumed = "resuming from this job's snapshot (the end of the fit at step 24, attempt 0"
+    assert resumed in outputs["trainer"], outputs["trainer"][-3000:]
 
 
 def _run_and_compare(

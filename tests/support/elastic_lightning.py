@@ -7,7 +7,9 @@ StatefulDataLoader (``stateful``), or the same loop under Fabric with
 (SIGKILL) when ``KILL`` steps are done; under ``ELASTIC_SIGNAL=TERM`` rank
 ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead (``elastic_loop.notice_due``).
 Each rank logs the steps it completes to ``OUT/steps.rank<R>``; rank 0 saves the final
-weights to ``OUT/final.pt``. Nothing else is written: no logger, no checkpoint callback.
+weights to ``OUT/final.pt``. Under ``ELASTIC_AFTER_FIT=1``, rank 1 is SIGKILLed in attempt 0
+after ``fit()`` returned instead (``elastic_loop.after_fit``). Nothing else is written: no
+logger, no checkpoint callback.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from bucketddp import BucketDDP, BucketFabricDDP
 from bucketddp.elastic import ElasticSampler
-from elastic_loop import BATCH, EPOCHS, dataset, notice_due
+from elastic_loop import BATCH, EPOCHS, after_fit, dataset, notice_due
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -94,6 +96,7 @@ def trainer(out: str, kill: int, stateful: bool) -> None:
     fit.fit(model)
     if fit.global_rank == 0:
         torch.save(model.net.state_dict(), f"{out}/final.pt")
+    after_fit(out, fit.global_rank, ATTEMPT, fit.global_step)
 
 
 def fabric(out: str, kill: int) -> None:
@@ -124,6 +127,7 @@ def fabric(out: str, kill: int) -> None:
     job.finish()
     if rank == 0:
         torch.save(net.state_dict(), f"{out}/final.pt")
+    after_fit(out, rank, ATTEMPT, job.steps)
 
 
 class Counting(pl.LightningModule):
