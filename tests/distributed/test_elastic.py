@@ -4,7 +4,9 @@ Rank 1 is killed (SIGKILL) once 16 steps are done (an epoch boundary) and, in an
 once 11 are done (mid-epoch). torchrun restarts both workers; the loop resumes from the
 newest snapshot in shared memory. Each job must exit 0 with the weights of a job that was
 never interrupted, bit for bit, having done at most one step twice, written nothing outside
-shared memory, and left no snapshot behind. And ten restarts in a row must each form
+shared memory, and left no snapshot behind. Rank 1 killed after the loop's ``finish()``
+(2 restarts allowed): the restart does no step, the job exits 0 with the same weights, and
+the workers' clean exits leave nothing. And ten restarts in a row must each form
 their process group (the agent's store keeps the last attempt's gloo addresses).
 """
 
@@ -18,6 +20,7 @@ import pytest
 
 from elastic_runs import (
     assert_stopped_together,
+    assert_trained_once,
     done_twice,
     same_weights,
     torchrun,
@@ -30,6 +33,7 @@ LOOP = SUPPORT / "elastic_loop.py"
 
 def test_a_killed_rank_costs_at_most_one_step_of_a_plain_loop(tmp_path: Path, shm: Path) -> None:
     runs = {"straight": "-1", "epoch_end": "16", "mid_epoch": "11", "sigterm": "13"}
+    runs["after_fit"] = "-1"
     for name in runs:
         (tmp_path / name).mkdir()
 
@@ -37,11 +41,17 @@ def test_a_killed_rank_costs_at_most_one_step_of_a_plain_loop(tmp_path: Path, sh
         env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm / name)}
         if name == "sigterm":  # a notice: every rank stops after step 14, none done twice
             env.update(ELASTIC_SIGNAL="TERM", ELASTIC_SIGNAL_RANK="1")
+        if name == "after_fit":  # rank 1 killed after finish(); attempt 1 is not the last
+            env.update(ELASTIC_AFTER_FIT="1")
+            return torchrun(LOOP, str(tmp_path / name), runs[name], restarts=2, env=env)
         return torchrun(LOOP, str(tmp_path / name), runs[name], env=env)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         outputs = dict(zip(runs, pool.map(run, runs), strict=True))
     assert_stopped_together(tmp_path / "sigterm", outputs["sigterm"], stop=14)
+    assert_trained_once(tmp_path / "after_fit", outputs["after_fit"], shm / "after_fit")
+    straight = tmp_path / "straight" / "final.pt"
+    assert same_weights(tmp_path / "after_fit" / "final.pt", straight)
     for name in ("epoch_end", "mid_epoch", "sigterm"):
         out = tmp_path / name
         assert same_weights(out / "final.pt", tmp_path / "straight" / "final.pt"), name

@@ -74,7 +74,12 @@ def _write_then_restore(rank: int, world: int) -> dict[str, Any]:
             meta.write_bytes(meta.read_bytes()[:40])
     dist.barrier()
     out["after_cutting"] = _restart().restore()
-    _restart().finish()
+    last = _restart()
+    last.restore()
+    last.finish()  # training is over: kept until every local rank has exited cleanly
+    out["kept_after_finish"] = folder.exists()
+    last._clean_exit.at_exit()  # what atexit runs at this rank's clean exit
+    dist.barrier()
     out["left"] = folder.exists()
     return out
 
@@ -96,7 +101,8 @@ def test_two_snapshots_kept_and_a_bad_one_never_loaded(tmp_path: Path) -> None:
     assert r1["restored"] == (4, True, {"rank": 1, "step": 4})
     assert r0["kept"] == [4]
     assert r0["after_cutting"] is None and r1["after_cutting"] is None
-    assert not r0["left"]  # a clean finish removes the job's folder
+    assert r0["kept_after_finish"] and r1["kept_after_finish"]
+    assert not r0["left"]  # every local rank's clean exit after the finish removes the folder
 
 
 def _one_job(rank: int, world: int, run: str, value: float) -> Any:

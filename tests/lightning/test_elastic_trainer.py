@@ -14,6 +14,10 @@
   bit-equal to the same run uninterrupted (the hook's state is in the snapshots).
 - With PowerSGD, a Trainer checkpoint saved after step 16 and resumed by a new fit with
   ``ckpt_path``: bit-equal to the fit that went on.
+- Rank 1 SIGKILLed after ``fit()`` returned (the Trainer's, and the Fabric loop's
+  ``finish()``), with 2 restarts allowed: the restart does no training step, its fit returns
+  at once with the final state (bit-equal), the job exits 0, and the node's workers'
+  clean exits leave nothing under the snapshot root.
 - A node lost: two torchrun agents on this machine (``--nnodes=1:2``), one killed with its
   worker mid-epoch; the other goes on at world size 1, every epoch uses every row exactly
   once, and a ``"sum"`` buffer counts every row once.
@@ -38,6 +42,7 @@ import pytest
 from elastic_runs import (
     agent,
     assert_stopped_together,
+    assert_trained_once,
     done_twice,
     same_weights,
     start,
@@ -116,6 +121,29 @@ def test_a_comm_hooks_state_is_in_trainer_checkpoints(tmp_path: Path) -> None:
     for rank in (0, 1):
         steps = (tmp_path / f"steps.rank{rank}").read_text().split()[1::4]
         assert steps == [str(s) for s in range(17, 25)], (rank, steps)  # steps 17 to 24
+
+
+@pytest.mark.timeout(900)  # a hang guard: two torchrun jobs of Lightning
+def test_a_rank_killed_after_fit_returned_trains_nothing_again(
+    tmp_path: Path, shm: Path, straight: Path
+) -> None:
+    families = ("trainer", "fabric")
+
+    def run(family: str) -> str:
+        out = tmp_path / family
+        out.mkdir()
+        env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm / family), "ELASTIC_AFTER_FIT": "1"}
+        # 2 restarts: attempt 1 is not the last, so its clean exits remove the snapshots.
+        return torchrun(SCRIPT, family, str(out), "-1", restarts=2, env=env)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outputs = dict(zip(families, pool.map(run, families), strict=True))
+    for family, output in outputs.items():
+        out = tmp_path / family
+        assert_trained_once(out, output, shm / family)
+        assert same_weights(out / "final.pt", straight / family / "final.pt"), family
+    resumed = "resuming from this job's snapshot (the end of the fit at step 24, attempt 0"
+    assert resumed in outputs["trainer"], outputs["trainer"][-3000:]
 
 
 def _run_and_compare(

@@ -7,11 +7,12 @@ StatefulDataLoader (``stateful``), or the same loop under Fabric with
 (SIGKILL) when ``KILL`` steps are done; under ``ELASTIC_SIGNAL=TERM`` rank
 ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead (``elastic_loop.notice_due``).
 Each rank logs the steps it completes to ``OUT/steps.rank<R>``; rank 0 saves the final
-weights to ``OUT/final.pt``. Nothing else is written: no logger, no checkpoint callback.
-Mode ``checkpoint`` instead saves a checkpoint after step ``KILL`` and resumes a new fit
-from it with ``ckpt_path`` (no kill, no elastic). Under ``ELASTIC_POWERSGD=1`` the strategy
-reduces with torch's ``powerSGD_hook`` (rank 1, compressing from step 2), whose state must
-survive the restart too.
+weights to ``OUT/final.pt``. Under ``ELASTIC_AFTER_FIT=1``, rank 1 is SIGKILLed in attempt 0
+after ``fit()`` returned instead (``elastic_loop.after_fit``). Nothing else is written: no
+logger, no checkpoint callback. Mode ``checkpoint`` instead saves a checkpoint after step
+``KILL`` and resumes a new fit from it with ``ckpt_path`` (no kill, no elastic). Under
+``ELASTIC_POWERSGD=1`` the strategy reduces with torch's ``powerSGD_hook`` (rank 1,
+compressing from step 2), whose state must survive the restart too.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from bucketddp import BucketDDP, BucketFabricDDP
 from bucketddp.elastic import ElasticSampler
-from elastic_loop import BATCH, EPOCHS, dataset, notice_due
+from elastic_loop import BATCH, EPOCHS, after_fit, dataset, notice_due
 
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
@@ -107,6 +108,7 @@ def trainer(out: str, kill: int, stateful: bool) -> None:
     fit.fit(model)
     if fit.global_rank == 0:
         torch.save(model.net.state_dict(), f"{out}/final.pt")
+    after_fit(out, fit.global_rank, ATTEMPT, fit.global_step)
 
 
 def fabric(out: str, kill: int) -> None:
@@ -137,6 +139,7 @@ def fabric(out: str, kill: int) -> None:
     job.finish()
     if rank == 0:
         torch.save(net.state_dict(), f"{out}/final.pt")
+    after_fit(out, rank, ATTEMPT, job.steps)
 
 
 class SaveAt(pl.Callback):

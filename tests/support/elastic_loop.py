@@ -6,6 +6,9 @@ torchrun restarts both workers and the loop resumes from the newest snapshot. Un
 ``ELASTIC_SIGNAL=TERM``, rank ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead
 (``notice_due``). Each rank logs every step it completes (and the attempt) to
 ``<out>/steps.rank<R>``; rank 0 saves the final weights to ``<out>/final.pt``. Under
+``ELASTIC_AFTER_FIT=1``, each rank logs each return from the loop to ``<out>/fits.rank<R>``,
+and in attempt 0 rank 1 kills itself (SIGKILL) once rank 0 has saved the weights
+(``after_fit``). Under
 ``ELASTIC_PLANT=1`` the job runs with umask 0, and rank 0 plants files in its snapshot
 folder and records its modes (``elastic_planted.py``).
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -46,6 +50,25 @@ def notice_due(rank: int, done: int, kill: int) -> bool:
     if attempt == 0 and rank == victim and done == kill:
         os.kill(os.getpid(), signal.SIGTERM)  # handled: training goes on to the stop
     return True
+
+
+def after_fit(out: str, rank: int, attempt: int, steps: int) -> None:
+    """Under ``ELASTIC_AFTER_FIT=1``: log that the fit returned, after ``steps`` steps; in
+    attempt 0, rank 0 says it saved the final weights, and rank 1 waits for that, then
+    SIGKILLs itself: torchrun restarts both workers, though the fit had finished."""
+    if os.environ.get("ELASTIC_AFTER_FIT") != "1":
+        return
+    with open(f"{out}/fits.rank{rank}", "a") as log:
+        print(f"fit returned attempt {attempt} steps {steps}", file=log)
+    if attempt != 0:
+        return
+    if rank == 0:
+        open(f"{out}/saved", "w").close()
+    elif rank == 1:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(f"{out}/saved") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(out: str, kill: int) -> None:
@@ -89,6 +112,7 @@ def main(out: str, kill: int) -> None:
     job.finish()
     if rank == 0:
         torch.save(net.state_dict(), f"{out}/final.pt")
+    after_fit(out, rank, attempt, job.steps)
     dist.destroy_process_group()
 
 

@@ -38,6 +38,8 @@ def _payload(marker: str) -> dict[str, Any]:
     return {
         "format": 1,
         "step": 10**6,
+        "phase": 1,
+        "finished": True,
         "attempt": 7,
         "node": 0,
         "local_rank": 0,

@@ -143,3 +143,17 @@ def assert_stopped_together(out: Path, output: str, stop: int, total: int = 24) 
         )
     assert f"every rank stops after step {stop}," in output, output[-4000:]
     assert "stall_timeout" not in output, output[-4000:]
+
+
+def assert_trained_once(out: Path, output: str, root: Path, total: int = 24) -> None:
+    """After rank 1 was SIGKILLed in attempt 0 once the fit had returned (``ELASTIC_AFTER_FIT``):
+    every rank did steps 1..``total`` in attempt 0 and none in attempt 1, whose fit returned
+    at once at step ``total``; the node's last clean exit removed everything under ``root``."""
+    for rank in (0, 1):
+        assert steps_by_attempt(out, rank) == {0: list(range(1, total + 1))}, (rank, output[-3000:])
+        fits = (out / f"fits.rank{rank}").read_text().splitlines()
+        assert fits == [f"fit returned attempt {a} steps {total}" for a in (0, 1)], (rank, fits)
+    cleaned = "removed this node's snapshots: every worker of the node exited cleanly"
+    assert cleaned in output, output[-3000:]
+    left = sorted(str(p) for p in root.glob("**/*"))
+    assert not left, f"left behind by a job that ended: {left}"

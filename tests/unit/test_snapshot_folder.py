@@ -56,9 +56,10 @@ def test_a_symlink_or_an_open_folder_is_refused(tmp_path: Path) -> None:
 
 
 def _payload() -> dict[str, object]:
-    fields = "format step attempt node local_rank local_world_size rank world_size nbytes"
+    fields = "format step phase attempt node local_rank local_world_size rank world_size nbytes"
     payload: dict[str, object] = {f: 1 for f in fields.split()}
     return {**payload, "checksum": -5, "owners": [], "offsets": [], "metas": []} | {
+        "finished": True,
         "skeleton": b"skeleton",
         "own": b"own",
     }
@@ -78,6 +79,9 @@ def test_a_meta_reads_back_only_whole_with_its_key() -> None:
     del short["step"]
     with pytest.raises(BadMeta, match="'step' is missing"):
         decode_meta(encode_meta(short, KEY), KEY)
+    unflagged = _payload() | {"finished": 1}  # a flag must be a boolean
+    with pytest.raises(BadMeta, match="'finished' is missing or not a boolean"):
+        decode_meta(encode_meta(unflagged, KEY), KEY)
     no_section = _payload()
     del no_section["own"]
     with pytest.raises(BadMeta, match="'own' is missing"):

@@ -1,4 +1,4 @@
-"""The job's last attempt: when this process exits, the node's snapshots go with it.
+"""When a job ends for good, the node's snapshots go: on its last attempt, or a clean exit.
 
 Snapshots exist for torchrun's next restart. torchrun tells each worker which attempt it
 is (``TORCHELASTIC_RESTART_COUNT``) and how many restarts its agent allows
@@ -16,11 +16,18 @@ How the others end when one is SIGKILLed: torchrun's agent sends them SIGTERM, w
 stop-signal handler (``notice.py``) only notes, and their next collective fails (or the
 watchdog names the dead peer and raises): they exit through Python, and ``atexit`` runs.
 
-Two endings disarm it, keeping the snapshots: a clean finish (``Session.finish`` removes
-them itself) and a stop on a notice (``Session.stop``): a preempted job may be started
-again with the same run id, and resumes from them. A process killed outright (SIGKILL, a
-lost node) removes nothing; ``python -m bucketddp.snapshots`` lists and removes what is
-left.
+A stop on a notice (``Session.stop``) disarms it, keeping the snapshots: a preempted job may
+be started again with the same run id, and resumes from them. A process killed outright
+(SIGKILL, a lost node) removes nothing; ``python -m bucketddp.snapshots`` lists and removes
+what is left.
+
+Before the last attempt, a finished fit keeps its final snapshot (``Session.finish``): a
+rank that dies after ``fit()`` returned makes torchrun restart every worker, and the
+restart returns at once with that state. ``CleanExit`` removes it when the job is over on
+this node: torchrun's agent restarts nothing once every worker of the node has exited with
+0, so each worker that exits cleanly (through ``atexit``, with no uncaught exception)
+leaves a mark, and the one that finds every local rank's mark of this attempt removes the
+node's folder. A worker killed, or ended by an error, leaves no mark.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import threading
 from collections.abc import Callable
 
 from ..faults import last_words
+from .folder import Folder
 from .job import Job
 
 
@@ -83,6 +91,57 @@ class LastAttempt:
                 f"bucketddp: rank {self.job.rank} removed this node's snapshots: attempt "
                 f"{self.job.attempt} was the last torchrun allows (--max-restarts="
                 f"{self.job.max_restarts}), so no restart will read them",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def exit_mark(job: Job, local_rank: int) -> str:
+    """The name of the file local rank ``local_rank`` leaves at a clean exit (``CleanExit``)."""
+    return f"exited.a{job.attempt}.n{job.node}.l{local_rank}"
+
+
+class CleanExit:
+    """Once training is over: at a clean exit, leave this rank's mark; the node's last to
+    do so calls ``remove()`` (see the module docstring)."""
+
+    def __init__(self, job: Job, folder: Callable[[], Folder | None], remove: Callable[[], int]):
+        self.job = job
+        self._folder = folder
+        self._remove = remove
+        self._armed = False
+
+    def arm(self) -> None:
+        """From now on (training is over), a clean exit counts."""
+        if not self._armed:
+            self._armed = True
+            atexit.register(self.at_exit)
+
+    def at_exit(self) -> None:
+        """This process ends: if cleanly, mark it, and remove the node's snapshots if every
+        local rank of this attempt has."""
+        armed, self._armed = self._armed, False
+        folder = self._folder()
+        if not armed or folder is None or getattr(sys, "last_value", None) is not None:
+            return  # an uncaught exception: torchrun's agent may restart this node
+        try:
+            folder.write(exit_mark(self.job, self.job.local_rank), b"")
+            names = set(folder.names())
+            if any(exit_mark(self.job, r) not in names for r in range(self.job.local_world_size)):
+                return
+            removed = self._remove()
+        except Exception as e:  # the exit goes on; the command can remove them
+            print(
+                f"bucketddp: rank {self.job.rank} could not remove this node's snapshots: "
+                f"{e!r} (python -m bucketddp.snapshots list)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if removed:
+            print(
+                f"bucketddp: rank {self.job.rank} removed this node's snapshots: every worker "
+                "of the node exited cleanly after training",
                 file=sys.stderr,
                 flush=True,
             )

@@ -9,6 +9,10 @@ that dies half way):
   mapped as a byte tensor and kept mapped from one snapshot to the next;
 - ``a{a}.n{n}.l{l}.s{k}.meta``: what the bytes are, written last, through a rename.
 
+A meta also names its fit (``phase``: the first elastic fit of the script is 1, the next 2;
+a restart resumes a fit only from that fit's snapshots) and says whether it is the state at
+the fit's end (``finished``): a restart that finds it does no training step.
+
 A meta is ``MAGIC``, an HMAC-SHA256 tag under the job's key (``secret.py``) of all that
 follows, the length of a JSON header, the header (step, ranks, each tensor's dtype, shape
 and place, the data's checksum) and the sections it lists: the skeleton of the state and
@@ -43,7 +47,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"BDDPSNAP2\n"
 _TAG = 32  # bytes of an HMAC-SHA256
 _NAME = re.compile(r"^a(\d+)\.n(\d+)\.l(\d+)\.s(\d)\.meta$")
-_INTS = "format step attempt node local_rank local_world_size rank world_size nbytes checksum"
+_INTS = "format step phase attempt node local_rank local_world_size rank world_size nbytes checksum"
 _INT_LISTS = ("owners", "offsets")
 _SECTIONS = ("skeleton", "own")
 _warned: set[tuple[str, str]] = set()
@@ -141,6 +145,8 @@ def _parse(body: bytes) -> dict[str, Any]:
     for field in _INT_LISTS:
         if not _int_list(header.get(field)):
             raise BadMeta(f"field {field!r} is missing or not a list of integers")
+    if type(header.get("finished")) is not bool:
+        raise BadMeta("field 'finished' is missing or not a boolean")
     if not isinstance(header.get("metas"), list):
         raise BadMeta("field 'metas' is missing or not a list")
     header["metas"] = [_tensor_meta(e) for e in header["metas"]]
@@ -188,16 +194,19 @@ class Snapshot:
     node: int
     step: int
     metas: dict[int, dict[str, Any]]  # local rank -> its meta (and its file's "name")
+    finished: bool = False  # the state at the fit's end (``Session.finish``)
+    phase: int = 0  # which elastic fit of the script took it (1 for the first)
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        """(step, attempt, node): newest first when sorted in reverse."""
-        return (self.step, self.attempt, self.node)
+    def key(self) -> tuple[int, bool, int, int]:
+        """(step, finished, attempt, node): newest first when sorted in reverse (the end of
+        a fit before a snapshot of its last step)."""
+        return (self.step, self.finished, self.attempt, self.node)
 
 
 def scan(folder: Folder, key: bytes) -> list[Snapshot]:
     """The complete snapshots in ``folder``, newest first."""
-    found: dict[tuple[int, int, int], dict[int, dict[str, Any]]] = {}
+    found: dict[tuple[int, int, bool, int, int], dict[int, dict[str, Any]]] = {}
     for name in folder.names():
         match = _NAME.match(name)
         if match is None:
@@ -208,13 +217,13 @@ def scan(folder: Folder, key: bytes) -> list[Snapshot]:
         named = tuple(int(g) for g in match.groups()[:3])
         if named != (meta["attempt"], meta["node"], meta["local_rank"]):
             continue  # a meta of this job's, under another writer's name
-        key3 = (meta["step"], meta["attempt"], meta["node"])
-        found.setdefault(key3, {})[meta["local_rank"]] = {**meta, "name": name}
+        which = (meta["phase"], meta["step"], meta["finished"], meta["attempt"], meta["node"])
+        found.setdefault(which, {})[meta["local_rank"]] = {**meta, "name": name}
     out = []
-    for (step, attempt, node), metas in found.items():
+    for (phase, step, finished, attempt, node), metas in found.items():
         width = {m["local_world_size"] for m in metas.values()}
         if len(width) == 1 and set(metas) == set(range(width.pop())):
-            out.append(Snapshot(attempt, node, step, metas))
+            out.append(Snapshot(attempt, node, step, metas, finished, phase))
     return sorted(out, key=lambda s: s.key, reverse=True)
 
 

@@ -125,12 +125,17 @@ class Elastic:
         self.sampler = sampler
         self.batch_size = batch_size or 0
         self.steps = 0
+        self.finished = False  # resumed from the end of a finished run: no step is left
         self._epoch: int | None = None
         self._used = 0  # samples per rank used in the sampler's current epoch
 
     def resume(self) -> bool:
         """Restore the newest snapshot, if any node has one; returns whether it did. Call it
-        on every rank, once, after the model and optimizers exist and before training."""
+        on every rank, once, after the model and optimizers exist and before training.
+
+        After a restart that came once the loop had finished (a rank died after
+        ``finish()``), the state is the one ``finish()`` saw, and ``finished`` is True: a
+        loop whose bounds come from the state (an epoch counter, ``steps``) does no step."""
         session = self.session
         restored = session.restore(room.estimate(self.state.values())) if session else None
         if restored is None:
@@ -148,6 +153,7 @@ class Elastic:
                 adopt_plan(wrapper, plan)
                 wrapper.buffers_sync.reset_baseline()  # the loaded "sum" totals are agreed
         self.steps = saved["steps"]
+        self.finished = restored.finished
         if self.sampler is not None and saved["position"] is not None:
             self.sampler.resume(saved["position"], 0)
             self._epoch, self._used = saved["position"].epoch, 0
@@ -170,10 +176,24 @@ class Elastic:
         position = self._advance(batches)
         if self.session is None:
             return
+        if self.finished:
+            self.finished = False
+            self.session.listen()
+            warnings.warn(
+                "bucketddp: a step after resuming a loop that had finished: it trains past "
+                "the state finish() saw (take the loop's bounds from the state)",
+                stacklevel=2,
+            )
         if not any(wrapper_of(v) is not None for v in self.state.values()):
             self._agree_on_notice()
         if not self.session.due(self.steps):
             return
+        self.session.take(self.steps, *self._parts(position))
+        if NOTICE.agreed:
+            self.session.stop(self.steps)
+
+    def _parts(self, position: EpochPosition | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A snapshot's shared state and this rank's own part, as of now."""
         saved: dict[str, Any] = {"state": {}, "plans": {}, "hooks": {}, "steps": self.steps}
         own: dict[str, Any] = {"rng": rng.capture(), "rank_local": {}, "hooks": {}}
         for name, value in self.state.items():
@@ -185,9 +205,7 @@ class Elastic:
                 saved["hooks"][name], own["hooks"][name] = hook_parts(wrapper)
             saved["state"][name] = value.state_dict() if hasattr(value, "state_dict") else value
         saved["position"] = position
-        self.session.take(self.steps, saved, own)
-        if NOTICE.agreed:
-            self.session.stop(self.steps)
+        return saved, own
 
     def _agree_on_notice(self) -> None:
         # No wrapper's row carried the stop flag this step: an all-reduce of its own.
@@ -209,6 +227,14 @@ class Elastic:
         return sampler.position(self._used)
 
     def finish(self) -> None:
-        """Training is over: remove this job's snapshots (a collective)."""
-        if self.session is not None:
-            self.session.finish()
+        """Training is over (a collective): a snapshot of the state now, marked finished, is
+        kept until every worker of the node has exited cleanly, so that a restart before
+        then (a rank that dies later in the script) resumes at the end, with no step left.
+        The snapshots are removed then, or at any exit of torchrun's last attempt."""
+        session = self.session
+        if session is None:
+            return
+        if self.finished:  # resumed at the end: that snapshot is this state
+            session.finish()
+        else:
+            session.finish(self.steps, *self._parts(self._advance(0)))

@@ -41,6 +41,7 @@ class Restored:
     own: Any
     world_size: int  # the world size the snapshot was taken at
     source: str  # where it came from, for the log
+    finished: bool = False  # the state at the fit's end: no training step is left
 
 
 def read(folder: Folder, snapshot: Snapshot) -> tuple[Any, dict[int, bytes]]:
@@ -71,58 +72,59 @@ def read(folder: Folder, snapshot: Snapshot) -> tuple[Any, dict[int, bytes]]:
     return state, {m["rank"]: m["own"] for m in metas.values()}
 
 
-def _listing(job: Job, folder: Folder, key: bytes) -> list[tuple[int, int, int, list[int], int]]:
-    """(step, attempt, node, writers' global ranks, world size) of this node's snapshots."""
+Key = tuple[int, bool, int, int]  # a snapshot's (step, finished, attempt, node)
+
+
+def _listing(job: Job, folder: Folder, key: bytes, phase: int) -> list[tuple[Key, list[int], int]]:
+    """(its key, writers' global ranks, world size) of this node's snapshots of fit
+    ``phase``."""
     if job.local_rank != 0:
         return []
     return [
-        (
-            s.step,
-            s.attempt,
-            s.node,
-            sorted(m["rank"] for m in s.metas.values()),
-            s.metas[0]["world_size"],
-        )
+        (s.key, sorted(m["rank"] for m in s.metas.values()), s.metas[0]["world_size"])
         for s in scan(folder, key)
+        if s.phase == phase
     ]
 
 
-def _candidates(everyone: list[list[Any]], world: int) -> list[tuple[Any, int]]:
+def _candidates(everyone: list[list[Any]], world: int) -> list[tuple[Key, int]]:
     """Each snapshot with its holder (the lowest rank that lists it), best first."""
-    holders: dict[tuple[int, int, int], int] = {}
-    info: dict[tuple[int, int, int], tuple[list[int], int]] = {}
+    holders: dict[Key, int] = {}
+    info: dict[Key, tuple[list[int], int]] = {}
     for rank, listing in enumerate(everyone):
-        for step, attempt, node, writers, old_world in listing:
-            key = (step, attempt, node)
-            holders.setdefault(key, rank)
-            info[key] = (writers, old_world)
-    covered: dict[int, set[int]] = {}  # step -> the old ranks whose own parts exist
-    for (step, _, _), (writers, _) in info.items():
-        covered.setdefault(step, set()).update(writers)
+        for which, writers, old_world in listing:
+            holders.setdefault(which, rank)
+            info[which] = (writers, old_world)
+    covered: dict[tuple[int, bool], set[int]] = {}  # (step, finished) -> old ranks' own parts
+    for (step, finished, _, _), (writers, _) in info.items():
+        covered.setdefault((step, finished), set()).update(writers)
 
-    def rank_of(key: tuple[int, int, int]) -> tuple[bool, int, int, int]:
-        step, attempt, node = key
-        whole = covered[step] >= set(range(info[key][1])) and info[key][1] == world
-        return (whole, step, attempt, -node)
+    def rank_of(which: Key) -> tuple[bool, int, bool, int, int]:
+        step, finished, attempt, node = which
+        old_world = info[which][1]
+        whole = covered[(step, finished)] >= set(range(old_world)) and old_world == world
+        return (whole, step, finished, attempt, -node)
 
-    return [(key, holders[key]) for key in sorted(holders, key=rank_of, reverse=True)]
+    return [(which, holders[which]) for which in sorted(holders, key=rank_of, reverse=True)]
 
 
 def restore(
-    job: Job, folder: Folder, key: bytes, group: dist.ProcessGroup | None = None
+    job: Job, folder: Folder, key: bytes, group: dist.ProcessGroup | None = None, phase: int = 0
 ) -> Restored | None:
-    """Find, agree on and load the newest readable snapshot of this job in its checked
-    ``folder``, whose metas check with ``key`` (a collective)."""
+    """Find, agree on and load the newest readable snapshot of fit ``phase`` of this job in
+    its checked ``folder``, whose metas check with ``key`` (a collective)."""
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, _listing(job, folder, key), group=group)
+    dist.all_gather_object(everyone, _listing(job, folder, key, phase), group=group)
     for which, holder in _candidates(everyone, world):
-        step, attempt, node = which
+        step, finished, attempt, node = which
         status: list[Any] = [None]
         found: Snapshot | None = None
         if me == holder:
-            found = next((s for s in scan(folder, key) if s.key == which), None)
+            found = next(
+                (s for s in scan(folder, key) if s.key == which and s.phase == phase), None
+            )
             try:
                 if found is None:
                     raise CorruptSnapshot("it went away")
@@ -141,7 +143,8 @@ def restore(
             continue
         old_world = status[0][1]
         state = broadcast_checkpoint(state if me == holder else None, group=group, src=holder)
-        own = _gather_owns(job, folder, key, step, old_world, owns if me == holder else {}, group)
+        mine = owns if me == holder else {}
+        own = _gather_owns(job, folder, key, (phase, step, finished), old_world, mine, group)
         if me == holder and found is not None:
             log.info(
                 "bucketddp: resuming from the snapshot of step %d (attempt %d, node %d)",
@@ -149,7 +152,10 @@ def restore(
                 attempt,
                 node,
             )
-        return Restored(state, step, own, old_world, f"step {step}, attempt {attempt}, node {node}")
+        where = f"step {step}, attempt {attempt}, node {node}"
+        if finished:
+            where = f"the end of the fit at {where}"
+        return Restored(state, step, own, old_world, where, finished)
     return None
 
 
@@ -157,16 +163,16 @@ def _gather_owns(
     job: Job,
     folder: Folder,
     key: bytes,
-    step: int,
+    which: tuple[int, int, bool],
     old_world: int,
     owns: dict[int, bytes],
     group: dist.ProcessGroup | None,
 ) -> Any:
-    """This rank's own part from the snapshots of ``step`` (all nodes'), if the world size
-    is unchanged; else None."""
+    """This rank's own part from the snapshots ``which`` (phase, step, finished) of all
+    nodes, if the world size is unchanged; else None."""
     if job.local_rank == 0:
         for s in scan(folder, key):
-            if s.step == step:
+            if (s.phase, s.step, s.finished) == which:
                 owns.update({m["rank"]: m["own"] for m in s.metas.values()})
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, owns, group=group)
@@ -176,9 +182,17 @@ def _gather_owns(
     return None if mine is None else torch.load(io.BytesIO(mine), weights_only=False)
 
 
-def keep_only(job: Job, folder: Folder, key: bytes, step: int) -> None:
-    """Remove this node's snapshot files but those of ``step`` (after resuming from it)."""
+def keep_only(
+    job: Job, folder: Folder, key: bytes, step: int, finished: bool = False, phase: int = 0
+) -> None:
+    """Remove this node's snapshot files of fit ``phase`` but those of ``step`` (the fit's
+    end, with ``finished``), after resuming from it or finishing there; other fits' stay."""
     if job.local_rank != 0:
         return
-    keep = [m["name"] for s in scan(folder, key) if s.step == step for m in s.metas.values()]
+    keep = [
+        m["name"]
+        for s in scan(folder, key)
+        if s.phase != phase or (s.step, s.finished) == (step, finished)
+        for m in s.metas.values()
+    ]
     remove_except(folder, keep)

@@ -4,8 +4,13 @@ The Trainer and Fabric strategies and the plain-loop helper each hold one ``Sess
 knows the job (``job.py``), opens and checks the node's private snapshot folder
 (``folder.py``) and gets the job's key (``secret.py``), writes this rank's share of every
 ``every``-th snapshot (``snapshots.py``), restores the newest one after a restart
-(``resume.py``), keeps at most two snapshots per node, and removes them when the job ends
-for good: on a clean finish, and at any other exit of its last attempt (``ending.py``).
+(``resume.py``), and keeps at most two snapshots per node. A finished fit keeps its final
+state, marked finished, so that a restart after it does no training step; the node's
+snapshots go when the job ends for good there: when its workers have all exited cleanly
+after training, and at any exit of its last attempt (``ending.py``).
+
+Each fit of the script (each ``restore``, else the first ``take``) is numbered, per
+attempt: a restart resumes a fit only from that fit's snapshots.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch.distributed as dist
 
 from ..notice import NOTICE, Preempted, stop_signals
 from . import room
-from .ending import LastAttempt
+from .ending import CleanExit, LastAttempt
 from .files import data_name, scan
 from .folder import Folder, UnsafeFolder
 from .job import Job
@@ -26,6 +31,7 @@ from .secret import job_key
 from .snapshots import Writer
 
 FIX = "set BUCKETDDP_SNAPSHOT_DIR to a folder of your own"
+_phases: dict[tuple[str, int], int] = {}  # (run id, attempt) -> fits numbered so far
 
 
 class SnapshotFolderError(RuntimeError):
@@ -54,6 +60,16 @@ class Session:
         self._key: bytes | None = None
         self._older_attempts_left = self.job.attempt > 0
         self._last_attempt = LastAttempt(self.job, self._end_for_good)
+        self._clean_exit = CleanExit(self.job, lambda: self._folder, self._end_for_good)
+        self.phase = 0  # this fit's number in the script (``_new_phase``)
+        self.finished = False  # training is over: the node's snapshots hold its end
+
+    def _new_phase(self) -> int:
+        """Number a new fit: the next of this run and attempt (1 for the first)."""
+        which = (self.job.run_id, self.job.attempt)
+        _phases[which] = self.phase = _phases.get(which, 0) + 1
+        self.finished = False
+        return self.phase
 
     def _open_folder(self) -> Folder:
         """This node's checked snapshot folder, under the per-user parent (``Job``); raises
@@ -101,12 +117,15 @@ class Session:
             )
         raise Preempted(NOTICE.exit_code())
 
-    def take(self, step: int, state: Any, own: Any = None) -> None:
+    def take(self, step: int, state: Any, own: Any = None, *, finished: bool = False) -> None:
         """Write this rank's share of the snapshot of ``step`` (the write finishes in the
-        background); ``own`` is this rank's own part (RNG states, rank-local buffers)."""
+        background); ``own`` is this rank's own part (RNG states, rank-local buffers);
+        ``finished`` marks the state at the fit's end (``finish``)."""
         if self._writer is None:
             self._writer = Writer(self.job, *self._open())
-        self._writer.take(step, state, own)
+        self.finished = False
+        phase = self.phase or self._new_phase()
+        self._writer.take(step, state, own, phase=phase, finished=finished)
         if self._older_attempts_left and self.job.local_rank == 0:
             self._drop_older_attempts()
 
@@ -153,9 +172,13 @@ class Session:
         two snapshots of ``need`` bytes (``check_folders``)."""
         self.check_folders(need)
         folder, key = self._open()
-        restored = restore(self.job, folder, key, self.group)
+        restored = restore(self.job, folder, key, self.group, self._new_phase())
         if restored is not None:
-            keep_only(self.job, folder, key, restored.step)
+            keep_only(self.job, folder, key, restored.step, restored.finished, self.phase)
+            if restored.finished:  # no training step is left: only the exit
+                self.finished = True
+                self._clean_exit.arm()
+                NOTICE.uninstall()
         elif self.job.attempt > 0 and self.job.rank == 0:
             print(
                 f"bucketddp: attempt {self.job.attempt} of this job found no usable snapshot "
@@ -165,26 +188,34 @@ class Session:
             )
         return restored
 
+    def _close_writer(self) -> None:
+        """Wait for this rank's writes, and stop its writer."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
     def _end_for_good(self) -> int:
         """Wait for this rank's writes, then remove the job's folder on this node (and the
         per-user parent if it is left empty); the number of files removed."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self._close_writer()
         return self._folder.remove_all(parents=1) if self._folder is not None else 0
 
-    def finish(self) -> None:
-        """A clean finish: wait for this rank's writes, then remove the job's snapshots on
-        this node. A collective."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if dist.is_initialized():
-            dist.barrier(group=self.group)
-        if self.job.local_rank == 0:
-            self._open_folder().remove_all(parents=1)
-        self._last_attempt.disarm()
+    def finish(self, step: int | None = None, state: Any = None, own: Any = None) -> None:
+        """Training is over. With ``state``: take the snapshot of the fit's end (``step``,
+        ``own`` as for ``take``), marked finished, wait until every rank's is written (a
+        barrier), and keep only it on this node. Without: keep the newest snapshot as it
+        is. Either way, the node's snapshots are removed when its workers have all exited
+        cleanly (``ending.CleanExit``), or at any exit of the last attempt; a restart before
+        then resumes from them and does no training step."""
+        if state is not None:
+            assert step is not None
+            self.take(step, state, own, finished=True)
+            self._close_writer()
+            if dist.is_initialized():
+                dist.barrier(group=self.group)
+            folder, key = self._open()
+            keep_only(self.job, folder, key, step, True, self.phase)
+            self.finished = True
+        self._close_writer()
+        self._clean_exit.arm()
         NOTICE.uninstall()
-        if self._folder is not None:
-            self._folder.close()
-            self._folder = None

@@ -115,8 +115,11 @@ class Writer:
         atexit.register(self.close)
         self.committed: tuple[int, str] | None = None  # (step, meta) of the last commit
 
-    def take(self, step: int, state: Any, own: Any = None) -> None:
-        """Snapshot ``state`` as of ``step``; ``own`` is this rank's own part (not shared)."""
+    def take(
+        self, step: int, state: Any, own: Any = None, *, phase: int = 0, finished: bool = False
+    ) -> None:
+        """Snapshot ``state`` as of ``step``; ``own`` is this rank's own part (not shared);
+        ``phase`` names the fit, ``finished`` marks the state at its end (``files.py``)."""
         slot = self._slot
         self._slot ^= 1
         # Every earlier commit must be finished before this slot's meta goes: else, with the
@@ -145,6 +148,8 @@ class Writer:
             "local_world_size": self.job.local_world_size,
             "rank": self.job.rank,
             "world_size": self.job.world_size,
+            "phase": phase,
+            "finished": finished,
             "skeleton": skeleton,
             "metas": metas,
             "owners": owners,

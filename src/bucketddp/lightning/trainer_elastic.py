@@ -15,8 +15,13 @@ to the Trainer, through the strategy's hooks and one callback:
   goes to shared memory instead, with each rank's RNG states and rank-local buffers;
 - the communication hook's state (PowerSGD's) goes with them: what every rank shares in
   the checkpoint, the rest with the rank's own part (``bucketddp.hook_state``);
-- the first training step after a resume puts those back; a fit that ends normally removes
-  the job's snapshots;
+- the first training step after a resume puts those back;
+- a fit that ends normally (``on_train_end``) takes one more snapshot, of its end, marked
+  finished, and keeps only it: a rank that dies after ``fit()`` returned makes torchrun
+  restart every worker, and the restarted fit loads that state, with the loops' progress at
+  their end and ``trainer.should_stop`` set, so Lightning's fit loop returns at once, with
+  no training step. The snapshot goes when the node's workers have all exited cleanly
+  (``bucketddp.elastic.ending``);
 - a stop signal (SIGTERM, SIGUSR1: ``bucketddp.notice``) on any rank stops every rank after
   the same step, with a snapshot of it. Lightning's own SIGTERM handler is replaced for the
   fit: in Lightning 2.6 it broadcasts inside the handler, on the signalled rank alone, and
@@ -50,7 +55,7 @@ TOKEN = "bucketddp-elastic://newest-snapshot"
 """The ``ckpt_path`` that stands for the agreed snapshot."""
 ENTRY = "bucketddp_elastic"
 """The checkpoint entry with the training sampler's position."""
-HOOK_ENTRY = "bucketddp_comm_hook"
+HOOK_ENTRY = "bucketddp_elastic_comm_hook"
 """The snapshot's entry with the communication hook's shared state."""
 
 
@@ -93,6 +98,7 @@ class TrainerElastic:
         # The comm hook's (shared entry, own part), until the first training step.
         self._hook: tuple[dict[str, Any], Any] | None = None
         self._last_step = -1
+        self._finished = False  # resumed at the end of a finished fit: no step is left
 
     def before_fit(self, strategy: Any, trainer: Any, user_ckpt_path: Any) -> None:
         """In the launcher: set up the group and agree on the snapshot to resume from."""
@@ -110,8 +116,10 @@ class TrainerElastic:
         module = strategy.lightning_module
         need = room.estimate([module]) + 2 * room.estimate(module.parameters())
         self.restored = self.session.restore(need)
+        self._finished = False
         if self.restored is None:
             return
+        self._finished = self.restored.finished
         self._own = self.restored.own
         self._last_step = self.restored.step
         if user_ckpt_path is not None:
@@ -130,6 +138,8 @@ class TrainerElastic:
             return None
         if trainer.ckpt_path == TOKEN:
             trainer.ckpt_path = None  # a later validate() or test() loads what it is told
+        if restored.finished:
+            trainer.should_stop = True  # with the loops at their end: no training step
         self._position = restored.state.get(ENTRY)
         if (entry := restored.state.get(HOOK_ENTRY)) is not None:
             self._hook = entry, (restored.own or {}).get("hooks")
@@ -166,6 +176,12 @@ class TrainerElastic:
             restore_hook(wrapped, *self._hook)
             self._hook = None
 
+    def after_setup(self, wrapped: BucketDataParallel | None) -> None:
+        """Once the model is wrapped (``on_fit_start``): after resuming at the end of a
+        finished fit, which runs no training step, put back this rank's own part now."""
+        if self._finished:
+            self._restore_own(wrapped)
+
     def _restore_own(self, wrapped: BucketDataParallel | None) -> None:
         own = self._own
         if own is None:
@@ -188,6 +204,14 @@ class TrainerElastic:
                 session.stop(step)
             return
         self._last_step = step
+        session.take(step, *self._parts(trainer, wrapped, plan))
+        if NOTICE.agreed:
+            session.stop(step)
+
+    def _parts(
+        self, trainer: Any, wrapped: BucketDataParallel, plan: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The checkpoint Lightning would save now, and this rank's own part."""
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if plan:
             checkpoint["bucketddp"] = plan
@@ -204,19 +228,31 @@ class TrainerElastic:
             }
         own = {"rng": rng.capture(), "rank_local": rank_local_buffers(wrapped)}
         checkpoint[HOOK_ENTRY], own["hooks"] = hook_parts(wrapped)
-        session.take(step, checkpoint, own)
-        if NOTICE.agreed:
-            session.stop(step)
+        return checkpoint, own
 
     def listen(self, trainer: Any) -> None:
         """While fitting, the stop signals are ours (not Lightning's: see the module
         docstring)."""
-        if self.session is not None and trainer.training:
+        if self.session is not None and trainer.training and not self._finished:
             self.session.listen()
 
-    def finish(self) -> None:
-        """The fit ended normally: remove the job's snapshots."""
-        if self.session is not None:
+    def finish(
+        self, trainer: Any, wrapped: BucketDataParallel | None, plan: dict[str, Any]
+    ) -> None:
+        """The fit's loop ended normally (``on_train_end``): a snapshot of its end, marked
+        finished, is kept until the node's workers exit cleanly (``Session.finish``)."""
+        session = self.session
+        if session is None or self._finished:
+            return
+        if wrapped is None:
+            session.finish()
+        else:
+            session.finish(trainer.global_step, *self._parts(trainer, wrapped, plan))
+
+    def fit_ended(self) -> None:
+        """The fit returned normally (``on_fit_end``), its loop maybe skipped (resumed where
+        it was done): training is over, whatever ``finish`` did."""
+        if self.session is not None and not self.session.finished:
             self.session.finish()
 
 
@@ -237,6 +273,17 @@ class _Snapshots(Callback):
         if wrapped is not None:
             self.elastic.snapshot(trainer, wrapped, strategy.plan_entry())
 
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """The model is wrapped: resumed at a finished fit's end, put back each rank's own
+        part (no training step will)."""
+        self.elastic.after_setup(getattr(trainer.strategy, "_wrapped", None))
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """A fit that ends normally leaves no snapshot behind."""
-        self.elastic.finish()
+        """A fit that ends normally keeps the snapshot of its end (``TrainerElastic.finish``)."""
+        strategy = trainer.strategy
+        wrapped = getattr(strategy, "_wrapped", None)
+        self.elastic.finish(trainer, wrapped, strategy.plan_entry() if wrapped else {})
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """Training is over (its loop may have been skipped: ``fit_ended``)."""
+        self.elastic.fit_ended()
