@@ -7,6 +7,7 @@
     python3 dev.py bench   # the engine benchmark (bucketddp vs torch DDP vs no communication)
     python3 dev.py bench-elastic   # elastic snapshots: step-time cost, shared memory, recovery
     python3 dev.py bench-exits   # clean exits under load: exits by a signal, per entry point
+    python3 dev.py bench-collectives   # collectives per step with and without elastic snapshots
     python3 dev.py plots   # redraw docs/images: the bucket-size sweep and the overlap timeline
     python3 dev.py convergence   # accuracy with each comm hook, bucketddp and torch DDP
     python3 dev.py fuzz    # the engine fuzzer, outside the suite: --schedules 200, --replay SEED
@@ -52,6 +53,7 @@ COMMANDS = {
     "bench": [["benchmarks/bench_engine.py"]],
     "bench-elastic": [["benchmarks/bench_elastic.py"]],
     "bench-exits": [["benchmarks/bench_exits.py"]],
+    "bench-collectives": [["benchmarks/bench_elastic_collectives.py"]],
     "plots": [["benchmarks/bench_plots.py"]],
     "convergence": [["benchmarks/bench_convergence.py"]],
     "fuzz": [["tests/support/fuzz_engine.py"]],
