@@ -76,24 +76,32 @@ class LastAttempt:
             armed, self._armed = self._armed, False
         if not armed:
             return
-        try:
-            removed = self._remove()
-        except Exception as e:  # the exit goes on; the command can remove them
-            print(
-                f"bucketddp: rank {self.job.rank} could not remove this node's snapshots: "
-                f"{e!r} (python -m bucketddp.snapshots list)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-        if removed:
-            print(
-                f"bucketddp: rank {self.job.rank} removed this node's snapshots: attempt "
-                f"{self.job.attempt} was the last torchrun allows (--max-restarts="
-                f"{self.job.max_restarts}), so no restart will read them",
-                file=sys.stderr,
-                flush=True,
-            )
+        why = (
+            f"attempt {self.job.attempt} was the last torchrun allows (--max-restarts="
+            f"{self.job.max_restarts}), so no restart will read them"
+        )
+        remove_and_say(self.job, self._remove, why)
+
+
+def remove_and_say(job: Job, remove: Callable[[], int], why: str) -> None:
+    """Call ``remove``; say on stderr that this node's snapshots went (``why``), or why they
+    could not (the exit goes on either way)."""
+    try:
+        removed = remove()
+    except Exception as e:  # the command can remove them
+        print(
+            f"bucketddp: rank {job.rank} could not remove this node's snapshots: "
+            f"{e!r} (python -m bucketddp.snapshots list)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    if removed:
+        print(
+            f"bucketddp: rank {job.rank} removed this node's snapshots: {why}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def exit_mark(job: Job, local_rank: int) -> str:
@@ -124,24 +132,14 @@ class CleanExit:
         folder = self._folder()
         if not armed or folder is None or getattr(sys, "last_value", None) is not None:
             return  # an uncaught exception: torchrun's agent may restart this node
-        try:
+
+        def mark_and_remove() -> int:
             folder.write(exit_mark(self.job, self.job.local_rank), b"")
             names = set(folder.names())
             if any(exit_mark(self.job, r) not in names for r in range(self.job.local_world_size)):
-                return
-            removed = self._remove()
-        except Exception as e:  # the exit goes on; the command can remove them
-            print(
-                f"bucketddp: rank {self.job.rank} could not remove this node's snapshots: "
-                f"{e!r} (python -m bucketddp.snapshots list)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-        if removed:
-            print(
-                f"bucketddp: rank {self.job.rank} removed this node's snapshots: every worker "
-                "of the node exited cleanly after training",
-                file=sys.stderr,
-                flush=True,
-            )
+                return 0
+            return self._remove()
+
+        remove_and_say(
+            self.job, mark_and_remove, "every worker of the node exited cleanly after training"
+        )
