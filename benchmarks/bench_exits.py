@@ -4,6 +4,7 @@
     python3 dev.py bench-exits --runs 20 --entry fabric engine
     python3 dev.py bench-exits --python /path/to/venv/bin/python   # e.g. a wheel install
     python3 dev.py bench-exits --append --runs 20       # add 20 rounds to the saved counts
+    python3 dev.py bench-exits --append --system bucketddp   # only bucketddp's runs
 
 Each run is a fresh job of two CPU ranks that trains three steps and exits, with
 bucketddp and, interleaved run by run, with the reference the same entry point offers
@@ -228,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=200, help="runs per entry point and system")
     p.add_argument("--entry", nargs="+", choices=ENTRIES, default=list(ENTRIES))
+    p.add_argument(
+        "--system",
+        nargs="+",
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
+        help="run only these systems (the reference's counts can stay at an earlier sitting's)",
+    )
     p.add_argument("--hogs", type=int, default=os.cpu_count() or 1, help="CPU-bound processes")
     p.add_argument("--python", default=sys.executable, help="the interpreter the runs use")
     p.add_argument("--timeout", type=float, default=300.0, help="hang guard per run, seconds")
@@ -252,20 +260,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.runs):
             for entry in args.entry:
-                for system in SYSTEMS:
+                for system in args.system:
                     result = run_once(args.python, entry, system, args.timeout)
                     runs.append(result)
                     if result["signal"] or result["failed"]:
                         print(f"run {i} {entry} {system}: {result['codes']}\n{result['tail']}")
             print(f"after {i + 1} rounds:\n{report(runs)}", flush=True)
+            _save(args.json, args.hogs, runs)  # a sitting cut short keeps its finished rounds
     except KeyboardInterrupt:
         print(f"interrupted; the runs so far:\n{report(runs)}", flush=True)
     finally:
         for hog in hogs:
             hog.kill()
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"hogs": args.hogs, "runs": runs}, indent=1))
+        _save(args.json, args.hogs, runs)
     return 0
+
+
+def _save(path: Path, hogs: int, runs: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"hogs": hogs, "runs": runs}, indent=1))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":
