@@ -23,10 +23,14 @@ from .session import Session, check_every
 
 
 def wrapper_of(value: object) -> BucketDataParallel | None:
-    """The ``BucketDataParallel`` that ``value`` is or holds (Fabric's module), if any."""
-    for candidate in (value, getattr(value, "_forward_module", None)):
-        if isinstance(candidate, BucketDataParallel):
-            return candidate
+    """The ``BucketDataParallel`` that ``value`` is or holds as a child (the module
+    ``fabric.setup`` returns), if any."""
+    if isinstance(value, BucketDataParallel):
+        return value
+    if isinstance(value, torch.nn.Module):
+        for child in value.children():
+            if isinstance(child, BucketDataParallel):
+                return child
     return None
 
 

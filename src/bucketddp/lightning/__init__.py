@@ -7,7 +7,8 @@
   launchers (and the part both share); ``fabric_cli.py``, ``fabric run`` with our names;
 - ``comm_monitor.py``: ``CommMonitor``, the callback;
 - ``common.py``: what both strategies share; ``registry.py``: our strategy names registered
-  with Lightning as soon as Lightning is imported.
+  with Lightning as soon as Lightning is imported;
+- ``internals.py``: every private Lightning name the others need, and nothing else.
 
 The engine below (``bucketddp.*`` outside this package) imports none of it. Importing this
 package imports no Lightning either: ``registry.py``, ``common.py`` and

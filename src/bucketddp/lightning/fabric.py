@@ -32,9 +32,6 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -57,19 +54,23 @@ from .common import (
     register_twins,
 )
 from .fabric_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
+from .internals import (
+    BackwardSyncControl,
+    FabricProcessLauncher,
+    FabricScriptLauncher,
+    FabricStrategyHooks,
+    ddp_device_ids,
+    group_backend,
+    set_backward_sync_control,
+)
 
-# Private Lightning names this module depends on, listed in one place so that a Lightning
-# release that changes one is found here first:
-# - ``_BackwardSyncControl`` (imported above): the interface of ``fabric.no_backward_sync``,
-#   set on the strategy as ``_backward_sync_control``;
-# - ``_StrategyRegistry`` (below, for an annotation only);
-# - DDPStrategy's ``_setup_distributed`` (the hook that creates the process group) and
-#   ``_determine_ddp_device_ids``, overridden or called below.
+# Lightning's private names are reached through ``internals.py`` only.
 if TYPE_CHECKING:
     from lightning.fabric.accelerators import Accelerator
     from lightning.fabric.plugins import ClusterEnvironment, Precision
-    from lightning.fabric.strategies.registry import _StrategyRegistry
     from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    from .internals import RegistryType
 
 __all__ = ["BucketFabricDDP"]
 
@@ -82,7 +83,7 @@ UNUSED_HINT = (
 """How the error about parameters without a gradient names the strategy's option."""
 
 
-class BucketFabricDDP(DDPStrategy):
+class BucketFabricDDP(FabricStrategyHooks, DDPStrategy):
     """Fabric's DDP strategy with bucketddp's gradient reducer and buffer policies.
 
     ``Fabric(strategy=BucketFabricDDP())`` runs like ``Fabric(strategy="ddp")``, with the
@@ -185,8 +186,10 @@ class BucketFabricDDP(DDPStrategy):
     ) -> None:
         self._options = StrategyOptions.from_arguments(locals(), UNUSED_HINT)
         self._checkpoint_source = check_source(checkpoint_source)
-        # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``: ours, checked,
-        # for code that reads them there; ``setup_module`` passes the options themselves.
+        self._group_timeout = timeout
+        self._start_method_name = start_method
+        # DDPStrategy keeps the wrapper's keyword arguments: ours, checked, for code that
+        # reads them there; ``setup_module`` passes the options themselves.
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -198,7 +201,7 @@ class BucketFabricDDP(DDPStrategy):
             start_method=start_method,
             **self.engine_options.keywords(),
         )
-        self._backward_sync_control = _BucketBackwardSyncControl()
+        set_backward_sync_control(self, _BucketBackwardSyncControl())
         self._averager: PeriodicModelAverager | None = None
         self._wrapped: weakref.WeakSet[BucketDataParallel] = weakref.WeakSet()
 
@@ -224,26 +227,27 @@ class BucketFabricDDP(DDPStrategy):
 
     # ------------------------------------------------------------------ process group
     @override
-    def _setup_distributed(self) -> None:
+    def setup_process_group(self, lightnings_setup: Callable[[], None]) -> None:
+        """Lightning's set-up of the group, with a group that forms after torchrun restarts
+        the workers."""
         existed = dist.is_available() and dist.is_initialized()
         if not existed:
-            init_restartable_group(self._get_process_group_backend(), self._timeout)
-        super()._setup_distributed()
+            init_restartable_group(group_backend(self), self._group_timeout)
+        lightnings_setup()
         if not existed and dist.is_initialized():
             destroy_at_exit(dist.group.WORLD)
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        launcher = self._launcher
-        if type(launcher) is _SubprocessScriptLauncher:
+    def watched_launcher(self, launcher: Any) -> Any:
+        """The launcher the watchdog watches, in place of the one Lightning picked."""
+        if type(launcher) is FabricScriptLauncher:
             assert self.cluster_environment is not None
-            self._launcher = WatchedFabricScriptLauncher(
+            return WatchedFabricScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
-        elif type(launcher) is _MultiProcessingLauncher:
-            method = self._start_method  # spawn, fork or forkserver: popen is handled above
-            self._launcher = WatchedFabricProcessLauncher(self, start_method=method)  # type: ignore[arg-type]
+        if type(launcher) is FabricProcessLauncher:  # spawn, fork or forkserver
+            return WatchedFabricProcessLauncher(self, start_method=self._start_method_name)  # type: ignore[arg-type]
+        return launcher
 
     # ------------------------------------------------------------------- wrapping
     @override
@@ -256,7 +260,7 @@ class BucketFabricDDP(DDPStrategy):
             "BucketFabricDDP: wrapping the model in BucketDataParallel(%s)", self.engine_options
         )
         wrapped = BucketDataParallel(
-            module, device_ids=self._determine_ddp_device_ids(), options=self.engine_options
+            module, device_ids=ddp_device_ids(self), options=self.engine_options
         )
         if self._options.comm_hook is not None:
             wrapped.register_comm_hook(*self._options.comm_hook)
@@ -359,7 +363,7 @@ class BucketFabricDDP(DDPStrategy):
     # ------------------------------------------------------------------- registry
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: RegistryType) -> None:
         """Register a bucket twin of each DDP name Fabric registers ("bucket_ddp",
         "bucket_ddp_spawn", "bucket_ddp_fork", "bucket_ddp_notebook" and
         "bucket_ddp_find_unused_parameters_true")."""
@@ -392,7 +396,7 @@ class _ReadThroughRank0(CheckpointIO):
         self.io.remove_checkpoint(path)
 
 
-class _BucketBackwardSyncControl(_BackwardSyncControl):
+class _BucketBackwardSyncControl(BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: ``BucketDataParallel.no_sync``."""
 
     @override

@@ -62,7 +62,7 @@ class SavedLoaders:
         return cls(epoch if isinstance(epoch, int) else None, copy.deepcopy(list(node or [])))
 
 
-def realign_sampler_epoch(fit_loop: Any, saved: SavedLoaders) -> bool:
+def realign_sampler_epoch(fit_loop: Any, saved: SavedLoaders, combined: Any, fetcher: Any) -> bool:
     """Start the epoch a resumed ``fit_loop`` is about to run from the right place: its
     training samplers at that epoch, and its stateful loaders at their saved position if it
     is the epoch they were saved in, else at its start.
@@ -70,9 +70,10 @@ def realign_sampler_epoch(fit_loop: Any, saved: SavedLoaders) -> bool:
     ``fit_loop`` is ``trainer.fit_loop`` at ``on_train_start``, where the loader's iterator
     is made but no batch drawn. If the samplers' epoch or the loaders' position is not the
     right one, the samplers get the epoch and the iterator is made again, as
-    ``FitLoop.setup_data`` made it. Returns whether it was made again.
+    ``FitLoop.setup_data`` made it. ``combined`` and ``fetcher`` are the loop's training
+    loaders and the fetcher that made their iterator (``internals.loader_and_fetcher``).
+    Returns whether it was made again.
     """
-    combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
     if not _resuming(fit_loop) or combined is None or fetcher is None:
         return False
     epoch = fit_loop.epoch_progress.current.processed  # what on_advance_start will set

@@ -36,8 +36,6 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_warn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
@@ -60,28 +58,26 @@ from .common import (
     register_twins,
 )
 from .hook_checkpoint import HookCheckpoint
+from .internals import (
+    TrainerProcessLauncher,
+    TrainerScriptLauncher,
+    TrainerStrategyHooks,
+    group_backend,
+    loader_and_fetcher,
+)
 from .layer_sync import TORCH_SYNCBN_REPLACED, BucketSyncBatchNorm
 from .plans import adopt_plan, plan_entry
 from .sampler_epoch import SavedLoaders, realign_sampler_epoch
 from .trainer_elastic import TrainerElastic
 from .trainer_launcher import WatchedProcessLauncher, WatchedScriptLauncher
 
-# Private Lightning names this module depends on, listed in one place so that a Lightning
-# release that changes one is found here first:
-# - ``_StrategyRegistry`` (imported below, for an annotation only);
-# - DDPStrategy's ``_ddp_kwargs`` (the wrapper's keyword arguments, passed through),
-#   ``_layer_sync`` (the SyncBatchNorm plugin the accelerator connector assigns) and
-#   ``_setup_model`` (the hook that wraps the module), all overridden or read below;
-# - ``_configure_launcher`` and ``_SubprocessScriptLauncher`` (replaced by the watched
-#   launcher of ``trainer_launcher.py``, which depends on more);
-# - for ``sampler_epoch.py``: the fit loop's ``_combined_loader`` and ``_data_fetcher``
-#   (its training loaders and the fetcher that made their iterator), and where a
-#   checkpoint keeps the loaders' states (``loops/fit_loop/state_dict/combined_loader``).
+# Lightning's private names are reached through ``internals.py`` only.
 if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-    from lightning.fabric.strategies.registry import _StrategyRegistry
     from lightning.pytorch.accelerators import Accelerator
     from lightning.pytorch.plugins.precision import Precision
+
+    from .internals import RegistryType
 
 __all__ = ["BucketDDP", "BucketSyncBatchNorm"]
 
@@ -94,7 +90,7 @@ UNUSED_HINT = (
 """How the error about parameters without a gradient names the strategy's option."""
 
 
-class BucketDDP(DDPStrategy):
+class BucketDDP(TrainerStrategyHooks, DDPStrategy):
     """Lightning's DDP strategy with bucketddp's gradient reducer and buffer policies.
 
     ``Trainer(strategy=BucketDDP())`` trains like ``Trainer(strategy="ddp")``, with the same
@@ -198,10 +194,13 @@ class BucketDDP(DDPStrategy):
         self._engine_options = options.engine
         self._comm_hook = options.comm_hook
         self._hook_checkpoint = HookCheckpoint(self._comm_hook)
-        # Set before DDPStrategy.__init__, which assigns ``_layer_sync`` (our property).
+        # Set before DDPStrategy.__init__, which assigns the SyncBatchNorm plugin
+        # (``choose_layer_sync``).
         self._sync_batchnorm = sync_batchnorm
-        # DDPStrategy keeps the wrapper's keyword arguments in ``_ddp_kwargs``: ours, checked,
-        # for code that reads them there; ``_setup_model`` passes the options themselves.
+        self._group_timeout = timeout
+        self._start_method_name = start_method
+        # DDPStrategy keeps the wrapper's keyword arguments: ours, checked, for code that
+        # reads them there; ``wrap_model`` passes the options themselves.
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -222,23 +221,20 @@ class BucketDDP(DDPStrategy):
         self._saved_loaders = SavedLoaders()  # a loaded checkpoint's, until the first epoch
 
     # ------------------------------------------------------------------ SyncBatchNorm
-    # The accelerator connector assigns ``strategy._layer_sync`` after construction: Lightning's
-    # TorchSyncBatchNorm for ``Trainer(sync_batchnorm=True)`` and None otherwise. A property
-    # lets the strategy put its own plugin in place of the first, and keep
+    # The accelerator connector assigns the plugin after construction: Lightning's
+    # TorchSyncBatchNorm for ``Trainer(sync_batchnorm=True)`` and None otherwise. The
+    # strategy puts its own plugin in place of the first, and keeps
     # ``BucketDDP(sync_batchnorm=True)`` in force over the second.
-    @property
-    def _layer_sync(self) -> LayerSync | None:
-        return self._bucket_layer_sync
-
-    @_layer_sync.setter
-    def _layer_sync(self, plugin: LayerSync | None) -> None:
+    @override
+    def choose_layer_sync(self, plugin: LayerSync | None) -> LayerSync | None:
+        """The SyncBatchNorm plugin to keep when Lightning assigns ``plugin``."""
         # Lightning hands Trainer(sync_batchnorm=True) and plugins=[TorchSyncBatchNorm()] over
         # alike, so both are replaced, with a warning unless the strategy was asked itself.
         if type(plugin) is TorchSyncBatchNorm and not self._sync_batchnorm:
             rank_zero_warn(TORCH_SYNCBN_REPLACED)
         if type(plugin) is TorchSyncBatchNorm or (plugin is None and self._sync_batchnorm):
             plugin = BucketSyncBatchNorm()
-        self._bucket_layer_sync = plugin
+        return plugin
 
     # ------------------------------------------------------------------ process group
     @override
@@ -246,24 +242,25 @@ class BucketDDP(DDPStrategy):
         """DDPStrategy's setup, with a group that forms after torchrun restarts the workers."""
         existed = dist.is_available() and dist.is_initialized()
         if not existed:
-            init_restartable_group(self._get_process_group_backend(), self._timeout)
+            init_restartable_group(group_backend(self), self._group_timeout)
         super().setup_distributed()
         if not existed and dist.is_initialized():
             destroy_at_exit(dist.group.WORLD)
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if type(self._launcher) is _SubprocessScriptLauncher:
+    def watched_launcher(self, launcher: Any) -> Any:
+        """The launcher the watchdog watches, in place of the one Lightning picked."""
+        if type(launcher) is TrainerScriptLauncher:
             assert self.cluster_environment is not None
-            self._launcher = WatchedScriptLauncher(
+            watched = WatchedScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
             if (elastic := self._elastic) is not None:
-                self._launcher.before_fit = functools.partial(elastic.before_fit, self)
-        elif type(self._launcher) is _MultiProcessingLauncher:
-            method = self._start_method  # spawn, fork or forkserver: popen is handled above
-            self._launcher = WatchedProcessLauncher(self, start_method=method)  # type: ignore[arg-type]
+                watched.before_fit = functools.partial(elastic.before_fit, self)
+            return watched
+        if type(launcher) is TrainerProcessLauncher:  # spawn, fork or forkserver
+            return WatchedProcessLauncher(self, start_method=self._start_method_name)  # type: ignore[arg-type]
+        return launcher
 
     # ------------------------------------------------------------------- failures
     @override
@@ -295,8 +292,7 @@ class BucketDDP(DDPStrategy):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     # ------------------------------------------------------------------- wrapping
-    @override
-    def _setup_model(self, model: Module) -> BucketDataParallel:  # type: ignore[override]
+    def wrap_model(self, model: Module) -> BucketDataParallel:
         """Wrap ``model`` in ``BucketDataParallel`` with this strategy's options."""
         log.debug(
             "%s: wrapping the model in BucketDataParallel(%s)",
@@ -309,7 +305,7 @@ class BucketDDP(DDPStrategy):
     def configure_ddp(self) -> None:
         """Wrap the LightningModule and adopt the bucket order of a loaded checkpoint."""
         assert isinstance(self.model, LightningModule)
-        wrapped = self._setup_model(self.model)
+        wrapped = self.wrap_model(self.model)
         if self._comm_hook is not None:
             wrapped.register_comm_hook(*self._comm_hook)
         self.model = wrapped
@@ -390,7 +386,8 @@ class BucketDDP(DDPStrategy):
         batch (``sampler_epoch.py``), so that it is not trained on epoch 0's order."""
         saved, self._saved_loaders = self._saved_loaders, SavedLoaders()
         assert self.lightning_module is not None
-        if realign_sampler_epoch(self.lightning_module.trainer.fit_loop, saved):
+        fit_loop = self.lightning_module.trainer.fit_loop
+        if realign_sampler_epoch(fit_loop, saved, *loader_and_fetcher(fit_loop)):
             rank_zero_debug(
                 "BucketDDP: the training samplers were at another epoch than the resumed "
                 "one; set it, and made the loader's iterator again"
@@ -490,7 +487,7 @@ class BucketDDP(DDPStrategy):
     # ------------------------------------------------------------------- registry
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: RegistryType) -> None:
         """Register a bucket twin of each DDP name the Trainer registers ("bucket_ddp",
         "bucket_ddp_notebook", "bucket_ddp_spawn_find_unused_parameters_true", ...)."""
         register_twins(cls, strategy_registry, "trainer")

@@ -28,9 +28,8 @@ to the Trainer, through the strategy's hooks and one callback:
   hangs the job (Lightning issues #20806, #20825). Lightning registers its handlers just
   before its first ``strategy.barrier("run-stage")``; ``listen`` takes them over there.
 
-Like ``trainer.py``, it imports Lightning. The private Lightning name it
-uses is ``trainer._checkpoint_connector.dump_checkpoint`` (what ``trainer.save_checkpoint``
-saves, without its barrier).
+Like ``trainer.py``, it imports Lightning. A snapshot holds what ``trainer.save_checkpoint``
+would save, made without its barrier (``internals.dump_checkpoint``).
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from ..elastic.sampler import ElasticSampler
 from ..elastic.session import Session
 from ..notice import NOTICE
 from ..parallel import BucketDataParallel
+from .internals import dump_checkpoint
 
 TOKEN = "bucketddp-elastic://newest-snapshot"
 """The ``ckpt_path`` that stands for the agreed snapshot."""
@@ -212,7 +212,7 @@ class TrainerElastic:
         self, trainer: Any, wrapped: BucketDataParallel, plan: dict[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The checkpoint Lightning would save now, and this rank's own part."""
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = dump_checkpoint(trainer)
         if plan:
             checkpoint["bucketddp"] = plan
         if self.sampler is not None:

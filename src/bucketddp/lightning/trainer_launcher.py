@@ -10,15 +10,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-
 from ..faults.monitor import GRACE
 from .fabric_launcher import PostsExceptions, launch_watched
+from .internals import TrainerProcessLauncher, TrainerScriptLauncher, fit_ckpt_path
 
 
-class WatchedScriptLauncher(_SubprocessScriptLauncher):
-    """The Trainer's ``_SubprocessScriptLauncher`` whose children the watchdog watches.
+class WatchedScriptLauncher(TrainerScriptLauncher):
+    """The Trainer's script launcher whose children the watchdog watches.
 
     ``before_fit(trainer, ckpt_path)``, if set, runs before the trainer's function, with
     the ``ckpt_path`` given to ``fit`` (``BucketDDP(elastic=True)`` finds its snapshot).
@@ -32,8 +30,7 @@ class WatchedScriptLauncher(_SubprocessScriptLauncher):
         """Start the child scripts, hand them to the watchdog, then call ``function``."""
         before = self.before_fit
         if before is not None and trainer is not None:
-            # fit's ckpt_path: the fifth argument of Trainer._fit_impl, or a keyword
-            ckpt_path = args[4] if len(args) > 4 else kwargs.get("ckpt_path")
+            ckpt_path = fit_ckpt_path(function, args, kwargs)
             return launch_watched(
                 self, function, args, kwargs, before=lambda: before(trainer, ckpt_path)
             )
@@ -51,5 +48,5 @@ class WatchedScriptLauncher(_SubprocessScriptLauncher):
         super().kill(signum)
 
 
-class WatchedProcessLauncher(PostsExceptions, _MultiProcessingLauncher):
+class WatchedProcessLauncher(PostsExceptions, TrainerProcessLauncher):
     """The Trainer's spawn/fork launcher; a rank's exception is posted for the others."""
