@@ -10,12 +10,22 @@
     python3 dev.py bench-collectives   # collectives per step with and without elastic snapshots
     python3 dev.py plots   # redraw docs/images: the bucket-size sweep and the overlap timeline
     python3 dev.py convergence   # accuracy with each comm hook, bucketddp and torch DDP
+    python3 dev.py bench-lightning   # Trainer.fit ms/step, BucketDDP against strategy="ddp"
+    python3 dev.py bench-syncbn   # SyncBatchNorm's step-time overhead against plain BatchNorm
+    python3 dev.py bench-checkpoint   # peak memory of a rank receiving a checkpoint
+    python3 dev.py ratio-plot FILE   # docs/images/ratios.png from a `bench` JSON report
+    python3 dev.py startup-cost   # what the interpreter-start hook costs every Python program
+    python3 dev.py error-exits   # how often a failing 2-rank script ends a rank by a signal
+    python3 dev.py fault-matrix   # docs/reliability.md's fault matrix: rank 1 fails at step 5
     python3 dev.py fuzz    # the engine fuzzer, outside the suite: --schedules 200, --replay SEED
     python3 dev.py fuzz-lightning   # the strategy fuzzer against "ddp": --schedules 100
     python3 dev.py compat  # the compat subset on each supported torch x Lightning x Python:
                            # --only 'torch 2.6' (see tools/compat.py), --list
     python3 dev.py wheel   # build the sdist and wheel, twine check, run two examples from the wheel
     python3 dev.py docs    # build the docs site strictly into docs/_build/html
+
+A command passes what follows its name to its script (`python3 dev.py fuzz --help`). The
+benchmarks are in benchmarks/, the fuzzers, the wheel check and the compat runner in tools/.
 
 The first call creates .venv and installs the project into it (editable) with the versions
 pinned in constraints.txt. Later calls reuse it until pyproject.toml or constraints.txt
@@ -56,8 +66,17 @@ COMMANDS = {
     "bench-collectives": [["benchmarks/bench_elastic_collectives.py"]],
     "plots": [["benchmarks/bench_plots.py"]],
     "convergence": [["benchmarks/bench_convergence.py"]],
-    "fuzz": [["tests/support/fuzz_engine.py"]],
-    "fuzz-lightning": [["tests/support/fuzz_lightning.py"]],
+    "bench-lightning": [["benchmarks/bench_lightning.py"]],
+    "bench-syncbn": [["benchmarks/bench_syncbn.py"]],
+    "bench-checkpoint": [["benchmarks/checkpoint_memory.py"]],
+    "ratio-plot": [["benchmarks/bench_ratio_plot.py"]],
+    "startup-cost": [["benchmarks/startup_cost.py"]],
+    "error-exits": [["benchmarks/error_exit_status.py"]],
+    "fault-matrix": [["benchmarks/fault_matrix.py"]],
+    "fuzz": [["tools/fuzz_engine.py"]],
+    "fuzz-lightning": [["tools/fuzz_lightning.py"]],
+    # Runs on the Python that runs dev.py (SYSTEM_PYTHON): its environments are its own.
+    "compat": [["tools/compat.py"]],
     "lint": [
         [
             "-m",
@@ -74,7 +93,7 @@ COMMANDS = {
         ["-m", "mypy"],
         ["-c", LINT_IMPORTS],
     ],
-    "wheel": [["tests/support/check_wheel.py"]],
+    "wheel": [["tools/check_wheel.py"]],
     "docs": [
         # -E: read every page again (an unchanged page would not repeat its warnings);
         # -W: warnings are errors; --keep-going: report all of them, not just the first.
@@ -98,6 +117,8 @@ DEFAULT_EXTRAS = ("lightning", "dev")
 EXTRAS = {"wheel": ("release",), "docs": ("docs",)}
 # Commands with an environment of their own, and its only extras.
 OWN_VENV = {"demo": (DEMO_VENV, ("demo",))}
+# Commands that run on the Python running dev.py, outside the repository's environments.
+SYSTEM_PYTHON = {"compat"}
 
 
 def _python(venv: Path) -> Path:
@@ -150,14 +171,13 @@ def ensure_venv(extras: tuple[str, ...] = DEFAULT_EXTRAS, venv: Path = VENV) -> 
 
 def main(argv: list[str]) -> int:
     """Run the named command inside the project's virtual environment."""
-    if argv[:1] == ["compat"]:
-        # Its environments are its own (tools/compat.py), outside the repository.
-        return subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "compat.py"), *argv[1:]]
-        ).returncode
     if len(argv) < 1 or argv[0] not in COMMANDS:
         print(__doc__)
         return 2
+    if argv[0] in SYSTEM_PYTHON:
+        # Its environments are its own (tools/compat.py), outside the repository.
+        ((script, *args),) = COMMANDS[argv[0]]
+        return subprocess.run([sys.executable, str(ROOT / script), *args, *argv[1:]]).returncode
     if argv[0] in OWN_VENV:
         venv, extras = OWN_VENV[argv[0]]
         py = ensure_venv(extras, venv)

@@ -12,7 +12,7 @@ time in docs/images/convergence.png.
 
 torch DDP refuses a hook named ``bf16_compress_hook`` (or ``bf16_compress_wrapper_hook``)
 unless NCCL 2.10+ or XCCL is present, though gloo sums bfloat16 on CPU. bucketddp runs
-torch's hook; torch DDP runs ``bf16_allreduce_hook`` (tests/support/bf16.py), the same
+torch's hook; torch DDP runs ``bf16_allreduce_hook`` (tools/bf16.py), the same
 arithmetic under another name.
 """
 
@@ -35,8 +35,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from bench_harness import round_order, run_ranks  # also puts tests/support on sys.path
-from bf16 import bf16_allreduce_hook  # tests/support/bf16.py
+from bench_harness import round_order, run_ranks  # also puts tools/ on sys.path
+from bf16 import bf16_allreduce_hook  # tools/bf16.py
 from bucketddp import BucketDataParallel
 
 ROOT = Path(__file__).resolve().parents[1]

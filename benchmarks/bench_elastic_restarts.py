@@ -26,7 +26,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import bench_harness  # noqa: F401  (puts tests/support, multirank's folder, on sys.path)
+import bench_harness  # noqa: F401  (puts tools/, elastic_runs' and multirank's folder, on sys.path)
 from bench_stats import median
 from elastic_runs import agent, standalone, start
 from multirank import free_port

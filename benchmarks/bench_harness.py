@@ -3,7 +3,7 @@
 ``time_model`` trains every system on one model in one pair of processes, in interleaved
 rounds (``round_order``), beside a standalone all-reduce of the gradients' bytes (the
 wire). It runs through ``run_ranks``, the tests' rank launcher
-(``tests/support/multirank.py``): one intra-op thread per rank, a real process group on a
+(``tools/multirank.py``): one intra-op thread per rank, a real process group on a
 free loopback port. ``bench_memory.py`` measures peak memory, ``bench_stats.py`` turns the
 figures into medians and ratios, and ``bench_engine.py`` is the command line.
 bench_syncbn.py, bench_lightning.py and bench_plots.py reuse ``train_steps``, ``run_meta``,
@@ -36,12 +36,12 @@ from bucketddp import BucketDataParallel
 from bucketddp.options import AUTO, EngineOptions
 from models import MODELS, Batch, ModelSpec, count_parameters, count_tensors, loss_fn
 
-# The one rank launcher, shared with the tests. Appended, not prepended: ``models`` is this
-# directory's (the benchmark models), not tests/support/models.py.
-SUPPORT = Path(__file__).resolve().parents[1] / "tests" / "support"
-if str(SUPPORT) not in sys.path:
-    sys.path.append(str(SUPPORT))
-from bf16 import bf16_allreduce_hook  # noqa: E402  (tests/support/bf16.py)
+# The one rank launcher, shared with the tests, in tools/. Appended, not prepended: every
+# module of this directory (``models``: the benchmark models) comes first.
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+if str(TOOLS) not in sys.path:
+    sys.path.append(str(TOOLS))
+from bf16 import bf16_allreduce_hook  # noqa: E402  (tools/bf16.py)
 from multirank import run_ranks  # noqa: E402, F401  (re-exported to the benchmarks)
 
 RANKS_TIMEOUT = 2400.0
@@ -141,7 +141,7 @@ def _powersgd(torch_ddp: bool) -> tuple[Any, Any]:
 COMM_HOOKS: dict[str, Callable[[bool], tuple[Any, Any]]] = {
     "fp16": lambda torch_ddp: (None, default_hooks.fp16_compress_hook),
     # torch DDP refuses torch's bf16 hook by name without NCCL; on gloo it runs the same
-    # arithmetic under another name (tests/support/bf16.py).
+    # arithmetic under another name (tools/bf16.py).
     "bf16": lambda torch_ddp: (
         None,
         bf16_allreduce_hook

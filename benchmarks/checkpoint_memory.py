@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tools"))  # multirank
 import bucketddp
 from multirank import run_ranks
 

@@ -4,8 +4,8 @@
     python benchmarks/error_exit_status.py --runs 30 --wrapper ddp      # torch DDP
     python benchmarks/error_exit_status.py --runs 30 --scenario unused  # error in backward
 
-The runs and their scenarios are in ``tests/support/error_exits.py``, which the test suite
-uses for a few runs.
+The runs and their scenarios are in ``tools/error_exits.py``, which the test suite uses for
+a few runs.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support")
-)
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 
 from error_exits import main
 

@@ -2,7 +2,7 @@
 
     python benchmarks/fault_matrix.py [--cap 60] [--stall 10] [--out DIR]
 
-Runs ``tests/support/fault_script.py`` jobs of two ranks for torch DDP and bucketddp, in a
+Runs ``tools/fault_script.py`` jobs of two ranks for torch DDP and bucketddp, in a
 hand-written loop (ranks started side by side, as torchrun does) and under Lightning
 ("ddp" and BucketDDP, Lightning's launcher), where rank 1 raises, is killed with SIGKILL or
 sleeps forever at step 5. For each it prints how long after the fault the last rank was
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tools"))  # fault_runs
 
 from fault_runs import Job, start, wait
 

@@ -23,10 +23,9 @@ from elastic_runs import (
     assert_trained_once,
     done_twice,
     same_weights,
-    torchrun,
     torchrun_failing,
 )
-from lightning_runs import SUPPORT
+from lightning_runs import SUPPORT, torchrun
 
 LOOP = SUPPORT / "elastic_loop.py"
 

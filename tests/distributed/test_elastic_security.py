@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from elastic_planted import PLANTED, forged_meta, old_format_meta
-from elastic_runs import done_twice, same_weights, standalone, torchrun
-from lightning_runs import ROOT, SUPPORT, run_script
+from elastic_runs import done_twice, same_weights, standalone
+from lightning_runs import ROOT, SUPPORT, run_script, torchrun
 
 LOOP = SUPPORT / "elastic_loop.py"
 NOBODY = 65534

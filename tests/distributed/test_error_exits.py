@@ -1,7 +1,7 @@
 """Errors end a user's processes with exit code 1, never a signal (SIGABRT).
 
 Each run is two fresh ``python`` processes of a plain script that fails on both ranks and
-lets its error reach the top level (``tests/support/error_exits.py``): ending a process
+lets its error reach the top level (``tools/error_exits.py``): ending a process
 is the point, so a run cannot be shortened into a function call. A few runs here; the
 30-run count is ``benchmarks/error_exit_status.py``.
 """

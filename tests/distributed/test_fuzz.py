@@ -1,4 +1,4 @@
-"""A few fixed seeds of the engine fuzzer (``tests/support/fuzz_engine.py``), so that it
+"""A few fixed seeds of the engine fuzzer (``tools/fuzz_engine.py``), so that it
 keeps working; tests/lightning/test_fuzz_lightning.py does the same for the Lightning one.
 
 The fuzzer itself runs outside the suite: ``python3 dev.py fuzz --schedules 200``.

@@ -46,9 +46,8 @@ from elastic_runs import (
     done_twice,
     same_weights,
     start,
-    torchrun,
 )
-from lightning_runs import SUPPORT
+from lightning_runs import SUPPORT, torchrun
 from multirank import free_port
 
 pytest.importorskip("lightning")

@@ -1,4 +1,4 @@
-"""A few fixed seeds of the Lightning strategy's fuzzer (``tests/support/fuzz_lightning.py``),
+"""A few fixed seeds of the Lightning strategy's fuzzer (``tools/fuzz_lightning.py``),
 so that it keeps working; tests/distributed/test_fuzz.py does the same for the engine's.
 
 The fuzzer itself runs outside the suite: ``python3 dev.py fuzz-lightning --schedules 100``.

@@ -2,7 +2,8 @@
 
 The scenarios live in ``lightning_scenarios.py``; test_strategy.py and test_cuda.py run
 them through ``scenario`` or ``run_script`` and compare the weights with ``assert_same``.
-Nothing here imports Lightning.
+``torchrun`` runs a script under torchrun the same way (the elastic tests; the job's
+commands are in tools/elastic_runs.py). Nothing here imports Lightning.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from elastic_runs import standalone
 
 SUPPORT = Path(__file__).resolve().parent
 SCENARIOS = SUPPORT / "lightning_scenarios.py"
@@ -129,3 +132,16 @@ def run_nodes(
         assert p.returncode == 0, f"node {node} exited with {p.returncode}:\n{text[-6000:]}"
         assert "terminate called" not in text, text[-6000:]
     return [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(nodes)]
+
+
+def torchrun(
+    script: Path,
+    *args: str,
+    restarts: int = 1,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+) -> str:
+    """Run ``script`` on 2 local workers under torchrun with ``restarts`` restarts; asserts
+    that the job exits 0 and never by SIGABRT. Returns its output."""
+    cmd = [*standalone(restarts), str(script), *args]
+    return run_script(cmd, timeout=timeout, env=env)

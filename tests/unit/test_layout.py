@@ -1,10 +1,13 @@
 """The package's shape: the layer contracts (import-linter, declared in pyproject.toml), an
 import graph without cycles, and generous size guards on modules, classes and test files.
+And the repository's: nothing outside tests/ uses tests/support, and dev.py reaches every
+tool and benchmark.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ import bucketddp
 PACKAGE = Path(bucketddp.__file__).parent
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+import dev  # noqa: E402
 from dev import LINT_IMPORTS  # noqa: E402  (the command dev.py lint runs)
 
 
@@ -105,3 +109,86 @@ def test_no_import_cycles() -> None:
         if name not in done:
             visit(name, [name], done)
     assert not cycles, cycles[:3]
+
+
+# Outside tests/: what may not use tests/support, and what dev.py must reach.
+OUTSIDE_TESTS = ("src", "tools", "benchmarks", "examples")
+REACHED = ("tools", "benchmarks")
+HELPERS = {
+    # A script that another one runs (or a module it imports), and the command's script that
+    # reaches it, which names it.
+    "tools/fault_script.py": "benchmarks/fault_matrix.py",  # through tools/fault_runs.py
+    "tools/names_without_import.py": "tools/check_wheel.py",
+    "tools/install_page.py": "tools/check_wheel.py",
+    "tools/error_exits.py": "benchmarks/error_exit_status.py",
+    "benchmarks/elastic_job.py": "benchmarks/bench_elastic.py",  # through bench_elastic_restarts
+}
+
+
+def _code_strings(path: Path) -> list[str]:
+    """The string literals of a Python file's code: docstrings and other bare strings (prose)
+    left out, and comments, which are no strings."""
+    tree = ast.parse(path.read_text())
+    prose = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose
+    ]
+
+
+def _uses_tests_support(text: str) -> bool:
+    """Whether a string names tests/support as a path: whole, or as a path component
+    ``"support"`` (``ROOT / "tests" / "support"``, ``os.path.join(..., "support")``)."""
+    return re.search(r"tests[/\\]+support", text) is not None or text.strip("/\\") == "support"
+
+
+def test_nothing_outside_tests_uses_tests_support() -> None:
+    """tests/support is the tests' own: tools, benchmarks, examples, the package and dev.py
+    neither import from it, nor put it on ``sys.path``, nor run its scripts. What they share
+    with the tests is in tools/ (pytest's ``pythonpath`` lists both)."""
+    files = [
+        ROOT / "dev.py",
+        *(p for d in OUTSIDE_TESTS for p in (ROOT / d).rglob("*") if p.is_file()),
+    ]
+    found = []
+    for path in files:
+        if path.suffix == ".py":
+            strings = _code_strings(path)
+        elif path.suffix in (".sh", ".ipynb", "") and "__pycache__" not in path.parts:
+            strings = path.read_text(errors="replace").splitlines()
+        else:
+            continue
+        found += [f"{path.relative_to(ROOT)}: {s!r}" for s in strings if _uses_tests_support(s)]
+    assert not found, found
+
+
+def _runnable(path: Path) -> bool:
+    """Whether a Python file runs as a script: ``if __name__ == "__main__":`` at its top."""
+    for node in ast.parse(path.read_text()).body:
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and ast.unparse(test) == "__name__ == '__main__'":
+            return True
+    return False
+
+
+def test_dev_py_reaches_every_tool_and_benchmark() -> None:
+    """Every script in tools/ and benchmarks/ is a command of dev.py (its COMMANDS, listed in
+    ``python3 dev.py --help``), or a helper that such a script runs; dev.py names no file that
+    is not there."""
+    named = {cmd[0] for cmds in dev.COMMANDS.values() for cmd in cmds if cmd[0].endswith(".py")}
+    assert not [n for n in named if not (ROOT / n).is_file()], named
+    scripts = {
+        str(p.relative_to(ROOT)) for d in REACHED for p in (ROOT / d).rglob("*.py") if _runnable(p)
+    }
+    unreached = sorted(scripts - named - HELPERS.keys())
+    assert not unreached, f"give these a command in dev.py's COMMANDS: {unreached}"
+    for helper, runner in HELPERS.items():
+        assert runner in named, (helper, runner)
+        assert Path(helper).stem in (ROOT / runner).read_text(), (helper, runner)
+    unlisted = [c for c in dev.COMMANDS if f"python3 dev.py {c} " not in dev.__doc__]
+    assert not unlisted, f"list these in dev.py's docstring: {unlisted}"

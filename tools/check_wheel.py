@@ -36,12 +36,12 @@ from typing import Any
 
 from install_page import install_as_the_page_says
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DIST = ROOT / "dist"
 EXAMPLES = ["examples/lightning_swap.py", "examples/fabric_loop.py"]
 PTH = "bucketddp-strategy-names.pth"
 """The interpreter-start hook that registers our strategy names (setup.py)."""
-NO_IMPORT_SCRIPT = ROOT / "tests" / "support" / "names_without_import.py"
+NO_IMPORT_SCRIPT = ROOT / "tools" / "names_without_import.py"
 
 
 def _version() -> str:

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "getting-started.md"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 BLOCKS = ("venv", "cpu torch", "clone", "wheel", "demo")
@@ -114,7 +114,7 @@ def install_as_the_page_says(tmp: Path, env: dict[str, str]) -> Path:
 
 
 if __name__ == "__main__":
-    # Alone: python tests/support/install_page.py (after python3 dev.py wheel made dist/).
+    # Alone: python tools/install_page.py (after python3 dev.py wheel made dist/).
     import tempfile
 
     base_env = dict(os.environ, PIP_CONSTRAINT=str(ROOT / "constraints.txt"))

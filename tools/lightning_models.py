@@ -1,5 +1,5 @@
 """LightningModules and callbacks shared by the strategy scenarios
-(tests/support/lightning_scenarios.py).
+(tests/support/lightning_scenarios.py) and the Lightning fuzzer (fuzz_lightning.py).
 
 Every model draws its weights and its data from fixed seeds, so two strategies trained in
 the same process group from the same seed see identical weights and batches.

@@ -1,7 +1,8 @@
 """Running torchrun jobs for the elastic tests (and bench_elastic.py's commands), and
 reading what they logged.
 
-Nothing here imports Lightning.
+Nothing here imports Lightning, or pytest: a test runs a job that must succeed through
+``torchrun`` in tests/support/lightning_runs.py, which fails the test on a timeout.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from lightning_runs import ROOT, run_script
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root: the jobs' working directory."""
 
 
 def standalone(restarts: int, run_id: str | None = None) -> list[str]:
@@ -75,19 +77,6 @@ def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[by
             env={**os.environ, **env},
             start_new_session=True,
         )
-
-
-def torchrun(
-    script: Path,
-    *args: str,
-    restarts: int = 1,
-    timeout: float = 240,
-    env: dict[str, str] | None = None,
-) -> str:
-    """Run ``script`` on 2 local workers under torchrun with ``restarts`` restarts; asserts
-    that the job exits 0 and never by SIGABRT. Returns its output."""
-    cmd = [*standalone(restarts), str(script), *args]
-    return run_script(cmd, timeout=timeout, env=env)
 
 
 def torchrun_failing(script: Path, *args: str, env: dict[str, str]) -> str:

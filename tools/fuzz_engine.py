@@ -3,15 +3,15 @@
 
 Each *schedule* is a pure function of one integer seed (``fuzz_engine_schedule.py``): a
 world size, a small model (``fuzz_engine_model.py``), engine options, and 2-5 training
-steps. The schedule trains on real gloo ranks (``tests/support/multirank.py``), and every
+steps. The schedule trains on real gloo ranks (``tools/multirank.py``), and every
 rank's parameters and buffers after every step it trains, and at the end, are compared with
 one process that trains the same model on the global batch (``fuzz_engine_reference.py``,
 whose docstring says how it models gradients, buffers, SyncBatchNorm and checkpointing).
 
 Usage (``python3 dev.py fuzz ...`` runs it in the project's venv)::
 
-    .venv/bin/python tests/support/fuzz_engine.py --schedules 200 --seed 0
-    .venv/bin/python tests/support/fuzz_engine.py --replay 17     # one schedule, described in full
+    .venv/bin/python tools/fuzz_engine.py --schedules 200 --seed 0
+    .venv/bin/python tools/fuzz_engine.py --replay 17     # one schedule, described in full
 
 It prints one line per schedule and exits non-zero if any fails, with the ``--replay``
 command of each failing seed. The tolerance is ``ATOL``/``RTOL`` plus the rounding a

@@ -42,6 +42,7 @@ def scenario(name: str, wrapper: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    Wrapper: Any  # either wrapper; bucketddp is imported only for its own runs
     if wrapper == "ours":
         from bucketddp import BucketDataParallel as Wrapper
     else:

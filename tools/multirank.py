@@ -15,8 +15,8 @@ separated) adds to what it imports: the test suite sets ``torch._dynamo``
 (tests/conftest.py), for itself and the benchmark runs it starts. ``fresh=True`` starts the
 ranks in new interpreters instead, for a check of what a program imports. Each rank runs
 one intra-op thread, and the parent sleeps on the ranks' pipes while they run, so the ranks
-of a benchmark have the machine's cores to themselves. The benchmarks import this module
-from ``tests/support``.
+of a benchmark have the machine's cores to themselves. It lives in ``tools/``, which the
+tests (pytest's ``pythonpath``) and the benchmarks put on ``sys.path``.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from a callback, since Lightning registers ``ddp_comm_hook`` only on CUDA.
 
 Usage (``python3 dev.py fuzz-lightning ...`` runs it in the project's venv)::
 
-    .venv/bin/python tests/support/fuzz_lightning.py --schedules 40 --seed 0
-    .venv/bin/python tests/support/fuzz_lightning.py --replay 17    # one schedule, described
+    .venv/bin/python tools/fuzz_lightning.py --schedules 40 --seed 0
+    .venv/bin/python tools/fuzz_lightning.py --replay 17    # one schedule, described
 
 Schedules run ``--group`` at a time in one launch of two processes (Lightning's start-up
 is most of the time); a launch that fails names its seeds, to replay one by one.
