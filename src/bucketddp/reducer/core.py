@@ -36,11 +36,11 @@ from .autograd import COMPILED_AUTOGRAD, Once, compiled_autograd
 from .copy_back import take_agreed, take_as_planned
 from .finite import FiniteCheck
 from .kept_grads import SOLE_REFS, copy_on_write, kept_elsewhere, move_bucket
-from .launch import AllReduceLauncher, Launcher, checked, use_hook
+from .launch import AllReduceLauncher, checked, use_hook
 from .module_changes import ModuleChanges
 from .order import adopt_learned_order
 from .requires_grad import RequiresGradWatch, reduce_joined
-from .state import BufferLayout, ReducerState
+from .state import BufferLayout, Launcher, ReducerState
 from .stats import CommStats
 from .storage import Bucket
 from .timing import NoClock, StepClock

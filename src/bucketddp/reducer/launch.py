@@ -5,9 +5,9 @@ gradients were already divided by the world size on their way into the slots. Wi
 registered communication hook, the hook launcher hands each bucket's plain gradients to
 the hook as soon as the bucket is full (or, for a hook that launches collectives from its
 callbacks, once the previous bucket's future is done) and takes back what its future
-holds. The core calls ``launch`` and ``wait_all``
-and never asks which one it has, as torch DDP's reducer falls back to a default
-all-reduce hook. With ``check_finite=True`` either one is wrapped in a
+holds. Each is a ``Launcher`` (the protocol in ``state.py``): the core calls ``launch``
+and ``wait_all`` and never asks which one it has, as torch DDP's reducer falls back to a
+default all-reduce hook. With ``check_finite=True`` either one is wrapped in a
 ``CheckedLauncher``, which looks at each bucket first (``finite.py``).
 """
 
@@ -30,7 +30,7 @@ from ..comm_hooks import (
     run_hook,
 )
 from . import errors, layout
-from .state import FiniteGuard, ReducerState
+from .state import FiniteGuard, Launcher, ReducerState
 from .storage import Bucket, slot_views
 
 
@@ -200,9 +200,6 @@ class CheckedLauncher:
     ) -> None:
         """A joined rank's zeros: nothing to check."""
         self.inner.reduce_copies(storages, buckets, sparse)
-
-
-Launcher = AllReduceLauncher | HookLauncher | CheckedLauncher
 
 
 def hook_state(launcher: Launcher) -> Any:
