@@ -29,7 +29,7 @@ from ..comm_hooks import (
     launches_from_callbacks,
     run_hook,
 )
-from . import errors, layout
+from . import errors
 from .state import FiniteGuard, Launcher, ReducerState
 from .storage import Bucket, slot_views
 
@@ -213,8 +213,8 @@ def checked(r: ReducerState, launcher: AllReduceLauncher | HookLauncher) -> Laun
     return launcher if r.finite is None else CheckedLauncher(launcher, r.finite)
 
 
-def use_hook(r: ReducerState, state: object, hook: CommHook) -> None:
-    """Have ``r`` reduce each bucket with ``hook(state, bucket)`` from the next step on.
+def hook_launcher(r: ReducerState, state: object, hook: CommHook) -> Launcher:
+    """The launcher that reduces each of ``r``'s buckets with ``hook(state, bucket)``.
 
     Raises unless the hook can be registered now: once per reducer, between steps, and
     for dense gradients only.
@@ -231,9 +231,4 @@ def use_hook(r: ReducerState, state: object, hook: CommHook) -> None:
         raise RuntimeError("register_comm_hook cannot be called during a backward pass")
     if r.sparse is not None:
         raise RuntimeError(errors.hook_with_sparse([r.names[i] for i in r.sparse.indices]))
-    r.launcher = checked(r, HookLauncher(r.process_group, state, hook))
-    r.set_scales()
-    if not r.communicates:
-        # One rank: buckets exist only to hand the hook its gradients, as torch DDP does.
-        r.communicates = True
-        layout.install(r, r.plan)
+    return checked(r, HookLauncher(r.process_group, state, hook))

@@ -185,7 +185,7 @@ class ReducerState(ABC):
     sync_step: bool
     touched_elsewhere: bool  # a gradient the ready count does not show arrived
 
-    # The plan and its parameters (set by layout.py).
+    # The plan and its parameters (set when the plan changes, from what layout.py builds).
     m: Members
     members: list[int]  # the planned parameters, by index into all of them
     outside: list[int]  # the others: frozen when the plan was made
@@ -261,6 +261,11 @@ class ReducerState(ABC):
     @abstractmethod
     def outside_gradient(self, param: torch.Tensor) -> None:
         """A gradient of a parameter outside the plan arrived."""
+        ...
+
+    @abstractmethod
+    def use_caps(self, caps: tuple[int, int]) -> None:
+        """Plan with bucket sizes ``caps`` (in bytes) from now on, in the current order."""
         ...
 
     @abstractmethod
