@@ -360,11 +360,11 @@ class BucketDataParallel(nn.Module, Joinable):
         As with torch DDP, a forward run inside decides: its backward does not communicate.
         """
         before = self.reducer.sync_enabled
-        self.reducer.sync_enabled = False
+        self.reducer.enable_sync(False)
         try:
             yield
         finally:
-            self.reducer.sync_enabled = before
+            self.reducer.enable_sync(before)
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce gradient buckets with ``hook(state, bucket) -> Future`` (torch DDP's API).
@@ -451,7 +451,7 @@ class BucketDataParallel(nn.Module, Joinable):
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self.reducer.sync_enabled = bool(value)
+        self.reducer.enable_sync(bool(value))
 
 
 def _detach(reducer: Reducer, buffers_sync: BufferSync) -> None:

@@ -208,6 +208,14 @@ class Reducer(ReducerState):
         """
         self.storage.set_scales(1.0 if self.launcher.averages else float(self.divisor))
 
+    def set_training_ranks(self, ranks: int, divisor: int) -> None:
+        """``ranks`` send gradients in the next synced backward, averaged over ``divisor``:
+        fewer than the world size under ``join()`` (``join.py``, ``shadow.py``)."""
+        self.training_ranks = ranks
+        if divisor != self.divisor:
+            self.divisor = divisor
+            self.set_scales()
+
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket's gradients with ``hook(state, bucket)`` from the next step on."""
         self.launcher = hook_launcher(self, state, hook)
@@ -441,12 +449,24 @@ class Reducer(ReducerState):
             self.module_changes = ModuleChanges(self.outside_gradient)
         self.module_changes.update(added, removed)
 
+    def used_not_ready(self, i: int) -> None:
+        """Parameter ``i`` got a gradient that is not its last of this backward
+        (``static_graph.py``): used, even if the last never comes, and not ready yet."""
+        self.used[i] = True
+        self.touched_elsewhere = True
+        if not self._queued:
+            self.queue_finalize()
+
     def outside_gradient(self, param: torch.Tensor) -> None:
         """A hook for parameters outside the plan: the backward must reach its end."""
         if not self.expecting_backward:
             return
         self.touched_elsewhere = True
         self.queue_finalize()
+
+    def enable_sync(self, enabled: bool) -> None:
+        """Whether the backward after the next forward syncs (``no_sync()`` clears it)."""
+        self.sync_enabled = enabled
 
     def expect_backward(self, *, decide: bool = False) -> None:
         """At a grad-enabled forward: the next backward is this reducer's to reduce.

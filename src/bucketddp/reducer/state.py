@@ -254,6 +254,11 @@ class ReducerState(ABC):
         ...
 
     @abstractmethod
+    def used_not_ready(self, i: int) -> None:
+        """Parameter ``i`` got a gradient that is not its last: used, not ready yet."""
+        ...
+
+    @abstractmethod
     def queue_finalize(self) -> None:
         """Have the autograd engine call the end of backward."""
         ...
