@@ -11,6 +11,10 @@ options need them: ``launch.py`` (a plain all-reduce, or a communication hook),
 ``agreement.py`` (the row that rides on the last bucket), ``finite.py``, ``sparse.py``,
 ``static_graph.py``, ``requires_grad.py``, ``module_changes.py``, ``kept_grads.py`` and
 ``shadow.py`` (uneven inputs). See ``docs/design.md``.
+
+The reducer sets every field of its state (declared in ``state.py``) itself, here: the
+plug-ins compute and return (``layout.build`` a ``Layout``, which ``_install`` takes), or
+call a method of the reducer's.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@
 ``ReducerState`` rather than the ``Reducer`` itself, so that no module of the package
 imports the core back. The plug-in objects the core holds are typed here by what is asked
 of them (structural types), so that this module imports no plug-in that takes a state.
+
+Only the ``Reducer`` sets these fields, in ``__init__`` or its own methods: a plug-in
+reads them, may change what their objects hold, and returns what changes for the reducer
+to take (``tests/unit/test_layout.py`` checks).
 """
 
 from __future__ import annotations
@@ -185,7 +189,7 @@ class ReducerState(ABC):
     sync_step: bool
     touched_elsewhere: bool  # a gradient the ready count does not show arrived
 
-    # The plan and its parameters (set when the plan changes, from what layout.py builds).
+    # The plan and its parameters (set by Reducer._plan_members, from what layout.py builds).
     m: Members
     members: list[int]  # the planned parameters, by index into all of them
     outside: list[int]  # the others: frozen when the plan was made
@@ -202,7 +206,7 @@ class ReducerState(ABC):
     n_ready: int
     used: list[bool]
 
-    # The bucket storage and where each parameter's slot is.
+    # The bucket storage and where each parameter's slot is (set by Reducer._install).
     storage: BucketStorage
     buckets: list[Bucket]
     views: list[torch.Tensor]
