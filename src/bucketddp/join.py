@@ -27,7 +27,7 @@ from .buffers import BufferSync
 from .comm import all_reduce_kept, broadcast_coalesced, wait_kept
 from .naming import name_list
 from .reducer import Reducer
-from .reducer.shadow import set_training_ranks, shadow_backward
+from .reducer.shadow import shadow_backward
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def training_step(
         buffers.sync(src=step.src, ranks=step.ranks)
     if step.sync_backward:
         divisor = world_size if divide_by_initial_world_size else step.ranks
-        set_training_ranks(reducer, step.ranks, divisor)
+        reducer.set_training_ranks(step.ranks, divisor)
 
 
 @dataclass
@@ -189,5 +189,5 @@ class BucketJoinHook(JoinHook):
         with torch.no_grad():
             broadcast_coalesced(tensors, group, src=src)
         world_size = self.reducer.world_size
-        set_training_ranks(self.reducer, world_size, world_size)
+        self.reducer.set_training_ranks(world_size, world_size)
         self.on_end()

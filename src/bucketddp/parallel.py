@@ -35,7 +35,7 @@ from .options import DEFAULT_STALL_TIMEOUT, EngineOptions, ForwardSyncSwitch
 from .placement import input_device, reduce_group
 from .reducer import NO_TRAINABLE, CommStats, Reducer
 from .reducer.launch import hook_state
-from .reducer.order import learned_order, load_order
+from .reducer.order import learned_order
 from .reducer.recovery import discard_step, step_unfinished
 from .syncbn import separate_group
 
@@ -343,7 +343,7 @@ class BucketDataParallel(nn.Module, Joinable):
         self.reducer = self._new_reducer()
         self.buffers_sync.world_size = self.reducer.world_size  # torch.load: maybe another
         if order is not None:
-            load_order(self.reducer, order)
+            self.reducer.load_order(order)
         self._watch()
 
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -360,11 +360,11 @@ class BucketDataParallel(nn.Module, Joinable):
         As with torch DDP, a forward run inside decides: its backward does not communicate.
         """
         before = self.reducer.sync_enabled
-        self.reducer.sync_enabled = False
+        self.reducer.enable_sync(False)
         try:
             yield
         finally:
-            self.reducer.sync_enabled = before
+            self.reducer.enable_sync(before)
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce gradient buckets with ``hook(state, bucket) -> Future`` (torch DDP's API).
@@ -414,7 +414,7 @@ class BucketDataParallel(nn.Module, Joinable):
 
     def load_bucket_order(self, order: Sequence[str]) -> bool:
         """Adopt a learned order from a checkpoint; False if the parameter set differs."""
-        return load_order(self.reducer, order)
+        return self.reducer.load_order(order)
 
     def sync_buffers(self) -> int:
         """Apply every buffer policy now; returns the collectives it took."""
@@ -451,7 +451,7 @@ class BucketDataParallel(nn.Module, Joinable):
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self.reducer.sync_enabled = bool(value)
+        self.reducer.enable_sync(bool(value))
 
 
 def _detach(reducer: Reducer, buffers_sync: BufferSync) -> None:

@@ -1,7 +1,7 @@
 """The package's shape: the layer contracts (import-linter, declared in pyproject.toml), an
-import graph without cycles, and generous size guards on modules, classes and test files.
-And the repository's: nothing outside tests/ uses tests/support, and dev.py reaches every
-tool and benchmark.
+import graph without cycles, generous size guards on modules, classes and test files, and
+the reducer's state set by the reducer alone. And the repository's: nothing outside tests/
+uses tests/support, and dev.py reaches every tool and benchmark.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import ast
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import bucketddp
@@ -192,3 +193,109 @@ def test_dev_py_reaches_every_tool_and_benchmark() -> None:
         assert Path(helper).stem in (ROOT / runner).read_text(), (helper, runner)
     unlisted = [c for c in dev.COMMANDS if f"python3 dev.py {c} " not in dev.__doc__]
     assert not unlisted, f"list these in dev.py's docstring: {unlisted}"
+
+
+REDUCER_TYPES = {"ReducerState", "Reducer"}
+REDUCER_NAMES = {"r", "reducer"}  # a parameter or local holding a reducer, by convention
+REDUCER_ATTRS = {"reducer", "_reducer", "_r"}  # a plug-in's or the wrapper's reducer
+
+
+def _reducer_fields() -> set[str]:
+    """What a reducer holds: ``ReducerState``'s declared fields and methods, and every
+    attribute ``Reducer`` sets on itself."""
+    fields = set()
+    for module, name in (("state.py", "ReducerState"), ("core.py", "Reducer")):
+        tree = ast.parse((PACKAGE / "reducer" / module).read_text())
+        (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+        for node in cls.body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                fields.add(node.target.id)
+            elif isinstance(node, ast.FunctionDef):
+                fields.add(node.name)
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                fields |= {node.attr} if ast.unparse(node.value) == "self" else set()
+    return fields
+
+
+def _typed(annotation: ast.expr | None) -> bool:
+    """Whether ``annotation`` names the reducer's type."""
+    words = set(re.findall(r"\w+", ast.unparse(annotation))) if annotation else set()
+    return bool(words & REDUCER_TYPES)
+
+
+def _reducer_names(fn: ast.FunctionDef | ast.AsyncFunctionDef, attrs: set[str]) -> set[str]:
+    """The names that hold a reducer in ``fn``: by convention, by annotation, or by alias."""
+    args = fn.args
+    every = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+    names = REDUCER_NAMES | {a.arg for a in every if a is not None and _typed(a.annotation)}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if _typed(node.annotation):
+                names.add(node.target.id)
+        elif isinstance(node, ast.Assign) and _holds_reducer(node.value, names, attrs):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _holds_reducer(node: ast.expr, names: set[str], attrs: set[str]) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in names
+    return isinstance(node, ast.Attribute) and node.attr in attrs
+
+
+def _state_writes(tree: ast.Module, fields: set[str]) -> Iterator[tuple[int, str]]:
+    """(line, ``base.field``) for each reducer field that ``tree`` rebinds or deletes:
+    assigned (tuple targets and ``+=`` included), deleted, or set with ``setattr``."""
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    attrs = set(REDUCER_ATTRS)  # attributes that hold a reducer: declared, or set from one
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and _typed(node.annotation):
+            target = node.target
+            attrs.add(target.attr if isinstance(target, ast.Attribute) else ast.unparse(target))
+    for fn in functions:
+        names = _reducer_names(fn, attrs)
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and _holds_reducer(node.value, names, attrs):
+                attrs |= {t.attr for t in node.targets if isinstance(t, ast.Attribute)}
+    seen = set()
+    for scope, names in [
+        (tree, REDUCER_NAMES),
+        *((f, _reducer_names(f, attrs)) for f in functions),
+    ]:
+        for node in ast.walk(scope):
+            base, field = None, None
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store | ast.Del):
+                base, field = node.value, node.attr
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr":
+                base, name = node.args[0], node.args[1]
+                field = name.value if isinstance(name, ast.Constant) else None
+            if base is None or field not in fields or not _holds_reducer(base, names, attrs):
+                continue
+            if (node.lineno, node.col_offset) not in seen:
+                seen.add((node.lineno, node.col_offset))
+                yield node.lineno, f"{ast.unparse(base)}.{field}"
+
+
+def test_only_the_reducer_sets_its_state() -> None:
+    """Every field of the reducer is set in ``reducer/core.py``, by ``Reducer`` itself;
+    the other modules compute and return what it takes (``layout.build``, the launchers,
+    the learned order), or call its methods. Mutating an object it holds is fine."""
+    fields = _reducer_fields()
+    assert {"plan", "storage", "launcher", "sync_enabled", "caps", "touched_elsewhere"} <= fields
+    # The scan finds writes through an annotated parameter, an attribute and setattr; w is
+    # no reducer.
+    example = ast.parse(
+        "def f(x: 'ReducerState', w):\n    x.plan, y = 1, 2\n    w.reducer.caps += 1\n"
+        "    setattr(x, 'launcher', 0)\n    w.caps = 3\n"
+    )
+    found = sorted(w for _, w in _state_writes(example, fields))
+    assert found == ["w.reducer.caps", "x.launcher", "x.plan"], found
+    core = PACKAGE / "reducer" / "core.py"
+    writes = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {write}"
+        for path in sorted(_modules().values())
+        if path != core
+        for line, write in sorted(_state_writes(ast.parse(path.read_text()), fields))
+    ]
+    assert not writes, "set these in a Reducer method (core.py) instead:\n" + "\n".join(writes)

@@ -17,7 +17,8 @@ class Plan(list):  # type: ignore[type-arg]
 
 
 def fake_reducer() -> Any:
-    """What the tuner reads of the reducer: a plan per cap, one collective-free rank."""
+    """What the tuner reads of the reducer: a plan per cap, one collective-free rank (the
+    test gives it ``use_caps``)."""
 
     def plan(cap: int, first: int, order: Any) -> Plan:
         return Plan([SimpleNamespace(names=(f"cap {cap}",), nbytes=8 * tuning.MB)])
@@ -33,12 +34,14 @@ def test_each_candidate_is_timed_from_the_end_of_the_last_step_after_its_rebuild
     clock = {"now": 0.0}
     monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock["now"])
 
-    def install(r: Any, plan: Plan) -> None:
-        clock["now"] += 5.0  # a slow rebuild, which no candidate must be charged for
-        r.plan = plan
-
-    monkeypatch.setattr(tuning.layout, "install", install)
     r = fake_reducer()
+
+    def use_caps(caps: tuple[int, int]) -> None:
+        if caps != r.caps:
+            clock["now"] += 5.0  # a slow rebuild, which no candidate must be charged for
+            r.caps, r.plan = caps, r.m.plan(*caps, r.plan.order)
+
+    r.use_caps = use_caps
     tuner = tuning.BucketTuner(r, None, None)
     tuner.after_step(joining=False)  # the first synced step: plans the candidates
     n = len(tuner._pairs)

@@ -11,6 +11,10 @@ options need them: ``launch.py`` (a plain all-reduce, or a communication hook),
 ``agreement.py`` (the row that rides on the last bucket), ``finite.py``, ``sparse.py``,
 ``static_graph.py``, ``requires_grad.py``, ``module_changes.py``, ``kept_grads.py`` and
 ``shadow.py`` (uneven inputs). See ``docs/design.md``.
+
+The reducer sets every field of its state (declared in ``state.py``) itself, here: the
+plug-ins compute and return (``layout.build`` a ``Layout``, which ``_install`` takes), or
+call a method of the reducer's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..buckets import cap_bytes
 from ..comm_hooks import CommHook
+from ..naming import first_names
 from ..notice import NOTICE
 from . import errors, layout
 from .agreement import check, check_local
@@ -36,11 +41,13 @@ from .autograd import COMPILED_AUTOGRAD, Once, compiled_autograd
 from .copy_back import take_agreed, take_as_planned
 from .finite import FiniteCheck
 from .kept_grads import SOLE_REFS, copy_on_write, kept_elsewhere, move_bucket
-from .launch import AllReduceLauncher, Launcher, checked, use_hook
+from .launch import AllReduceLauncher, checked, hook_launcher
+from .members import Members
 from .module_changes import ModuleChanges
-from .order import adopt_learned_order
+from .order import checkpoint_plan, learned_plan
 from .requires_grad import RequiresGradWatch, reduce_joined
-from .state import BufferLayout, ReducerState
+from .state import BufferLayout, Launcher, ReducerState
+from .static_graph import StaticGraph
 from .stats import CommStats
 from .storage import Bucket
 from .timing import NoClock, StepClock
@@ -111,9 +118,93 @@ class Reducer(ReducerState):
         self.frozen_watch: RequiresGradWatch | None = None
         self.module_changes: ModuleChanges | None = None
         self._next = 0  # the next bucket to launch, in plan order
-        layout.plan_members(self, trainable)
+        self._plan_members(trainable)
 
     # ------------------------------------------------------------------ plan and storage
+    def _plan_members(self, indices: list[int]) -> None:
+        """Reduce the parameters at ``indices`` (into all parameters) from now on.
+
+        Plans them in reverse registration order, to be rebuilt from the next backward's
+        ready order, and hooks each of them.
+        """
+        self._unhook()
+        m = self.m = Members(self.all_named, indices, self.sparse_names)
+        self.members, self.outside = m.indices, m.outside
+        self.names, self.params = m.names, m.params
+        if m.outside and self.frozen_watch is None:
+            self.frozen_watch = RequiresGradWatch(self)
+        if self.frozen_watch is not None:
+            self.frozen_watch.forget(indices)
+        self.unslotted = m.unslotted
+        self.sparse = layout.sparse_gradients(m, self.process_group)
+        n = len(m.params)
+        self.ready = [False] * n  # got its gradient in the current backward
+        self.n_ready = 0
+        self.used = [False] * n  # got a gradient since the last synced backward
+        self.observed = []  # the ready order, until the plan is rebuilt
+        self.static = StaticGraph(self) if self.static_graph else None
+        self._install(layout.build(self, m.plan(*self.caps)))
+        self.gradient_hooks, self.hook_handles = layout.hook_members(self)
+
+    def _install(self, new: layout.Layout) -> None:
+        """Run on ``new``'s plan, storage and row, and move any existing gradients in.
+
+        The one place where a layout (``layout.build``) is taken: at wrapping, when
+        parameters join, when the learned order or the tuned sizes change the buckets, and
+        when a comm hook on one rank needs buckets.
+        """
+        storage = new.storage
+        self.plan, self.storage = new.plan, storage
+        self.buckets, self.views, self.ptrs, self.bucket_of = (
+            storage.buckets,
+            storage.views,
+            storage.ptrs,
+            storage.bucket_of,
+        )
+        storage.take_grads(self.gradient_as_bucket_view)
+        self.set_scales()
+        if new.row is not None:
+            self.row = new.row
+            if self.finite is not None:
+                self.finite.install()
+        storage.count_own_tensors()
+        if self.rank == 0:
+            log.debug("bucketddp plan: %s", new.plan.describe())
+
+    def _unhook(self) -> None:
+        """Detach the planned parameters' hooks."""
+        for h in self.hook_handles:
+            h.remove()
+        self.hook_handles = []
+
+    def _adopt_learned_order(self, observed: list[int]) -> None:
+        """At the end of the first synced backward: plan by rank 0's ready order from now
+        on (``order.py``); the storage stays if the buckets do."""
+        plan = learned_plan(self.m, observed, self.caps, self.process_group, self.device)
+        self.observed = None
+        if layout.same_buckets(plan, self.plan):
+            self.plan = plan  # same buckets: keep the storage, remember the order
+        else:
+            self._install(layout.build(self, plan))
+
+    def load_order(self, order: Sequence[str]) -> bool:
+        """Plan by a learned ``order`` (from a checkpoint); False if its names differ."""
+        plan = checkpoint_plan(self, order)
+        if plan is None:
+            return False
+        self._install(layout.build(self, plan))
+        self.observed = None
+        return True
+
+    def use_caps(self, caps: tuple[int, int]) -> None:
+        """Plan with bucket sizes ``caps`` (in bytes) from now on, in the current order."""
+        if caps == self.caps:
+            return
+        self.caps = caps
+        plan = self.m.plan(*caps, self.plan.order)
+        if not layout.same_buckets(plan, self.plan):
+            self._install(layout.build(self, plan))
+
     def set_scales(self) -> None:
         """Give each bucket the averaging factors of the next synced backward.
 
@@ -121,9 +212,22 @@ class Reducer(ReducerState):
         """
         self.storage.set_scales(1.0 if self.launcher.averages else float(self.divisor))
 
+    def set_training_ranks(self, ranks: int, divisor: int) -> None:
+        """``ranks`` send gradients in the next synced backward, averaged over ``divisor``:
+        fewer than the world size under ``join()`` (``join.py``, ``shadow.py``)."""
+        self.training_ranks = ranks
+        if divisor != self.divisor:
+            self.divisor = divisor
+            self.set_scales()
+
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket's gradients with ``hook(state, bucket)`` from the next step on."""
-        use_hook(self, state, hook)
+        self.launcher = hook_launcher(self, state, hook)
+        self.set_scales()
+        if not self.communicates:
+            # One rank: buckets exist only to hand the hook its gradients, as torch DDP does.
+            self.communicates = True
+            self._install(layout.build(self, self.plan))
 
     @property
     def stats(self) -> CommStats:
@@ -281,9 +385,15 @@ class Reducer(ReducerState):
         if error is not None:
             raise RuntimeError(error)
         if joined:
-            layout.plan_joined(self, joined)
+            self._plan_members(sorted(self.members + joined))
+            log.info(
+                "bucketddp: %d parameter(s) now require a gradient on every rank and join the "
+                "buckets: %s",
+                len(joined),
+                first_names([self.all_names[j] for j in joined]),
+            )
         elif self.observed is not None:
-            adopt_learned_order(self)
+            self._adopt_learned_order(self.observed)
         if self.tuner is not None and not self.tuner.done:
             self.tuner.after_step(joining=self.training_ranks < self.world_size)
 
@@ -343,12 +453,24 @@ class Reducer(ReducerState):
             self.module_changes = ModuleChanges(self.outside_gradient)
         self.module_changes.update(added, removed)
 
+    def used_not_ready(self, i: int) -> None:
+        """Parameter ``i`` got a gradient that is not its last of this backward
+        (``static_graph.py``): used, even if the last never comes, and not ready yet."""
+        self.used[i] = True
+        self.touched_elsewhere = True
+        if not self._queued:
+            self.queue_finalize()
+
     def outside_gradient(self, param: torch.Tensor) -> None:
         """A hook for parameters outside the plan: the backward must reach its end."""
         if not self.expecting_backward:
             return
         self.touched_elsewhere = True
         self.queue_finalize()
+
+    def enable_sync(self, enabled: bool) -> None:
+        """Whether the backward after the next forward syncs (``no_sync()`` clears it)."""
+        self.sync_enabled = enabled
 
     def expect_backward(self, *, decide: bool = False) -> None:
         """At a grad-enabled forward: the next backward is this reducer's to reduce.
@@ -392,7 +514,7 @@ class Reducer(ReducerState):
 
     def remove(self) -> None:
         """Detach the hooks; the parameters keep their current gradients."""
-        layout.unhook(self)
+        self._unhook()
         for plugin in (self.frozen_watch, self.module_changes):
             if plugin is not None:
                 plugin.remove()

@@ -5,9 +5,9 @@ gradients were already divided by the world size on their way into the slots. Wi
 registered communication hook, the hook launcher hands each bucket's plain gradients to
 the hook as soon as the bucket is full (or, for a hook that launches collectives from its
 callbacks, once the previous bucket's future is done) and takes back what its future
-holds. The core calls ``launch`` and ``wait_all``
-and never asks which one it has, as torch DDP's reducer falls back to a default
-all-reduce hook. With ``check_finite=True`` either one is wrapped in a
+holds. Each is a ``Launcher`` (the protocol in ``state.py``): the core calls ``launch``
+and ``wait_all`` and never asks which one it has, as torch DDP's reducer falls back to a
+default all-reduce hook. With ``check_finite=True`` either one is wrapped in a
 ``CheckedLauncher``, which looks at each bucket first (``finite.py``).
 """
 
@@ -29,8 +29,8 @@ from ..comm_hooks import (
     launches_from_callbacks,
     run_hook,
 )
-from . import errors, layout
-from .state import FiniteGuard, ReducerState
+from . import errors
+from .state import FiniteGuard, Launcher, ReducerState
 from .storage import Bucket, slot_views
 
 
@@ -202,9 +202,6 @@ class CheckedLauncher:
         self.inner.reduce_copies(storages, buckets, sparse)
 
 
-Launcher = AllReduceLauncher | HookLauncher | CheckedLauncher
-
-
 def hook_state(launcher: Launcher) -> Any:
     """The registered communication hook's state, or None without a hook."""
     inner = launcher.inner if isinstance(launcher, CheckedLauncher) else launcher
@@ -216,8 +213,8 @@ def checked(r: ReducerState, launcher: AllReduceLauncher | HookLauncher) -> Laun
     return launcher if r.finite is None else CheckedLauncher(launcher, r.finite)
 
 
-def use_hook(r: ReducerState, state: object, hook: CommHook) -> None:
-    """Have ``r`` reduce each bucket with ``hook(state, bucket)`` from the next step on.
+def hook_launcher(r: ReducerState, state: object, hook: CommHook) -> Launcher:
+    """The launcher that reduces each of ``r``'s buckets with ``hook(state, bucket)``.
 
     Raises unless the hook can be registered now: once per reducer, between steps, and
     for dense gradients only.
@@ -234,9 +231,4 @@ def use_hook(r: ReducerState, state: object, hook: CommHook) -> None:
         raise RuntimeError("register_comm_hook cannot be called during a backward pass")
     if r.sparse is not None:
         raise RuntimeError(errors.hook_with_sparse([r.names[i] for i in r.sparse.indices]))
-    r.launcher = checked(r, HookLauncher(r.process_group, state, hook))
-    r.set_scales()
-    if not r.communicates:
-        # One rank: buckets exist only to hand the hook its gradients, as torch DDP does.
-        r.communicates = True
-        layout.install(r, r.plan)
+    return checked(r, HookLauncher(r.process_group, state, hook))

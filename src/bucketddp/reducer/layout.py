@@ -1,78 +1,47 @@
-"""Setting a reducer up for a plan: its members, their hooks, the bucket storage.
+"""Computing a reducer's layout for a plan: the bucket storage, the agreement row, the hooks.
 
-This runs at wrapping, when parameters join the plan, and when the plan is rebuilt from
-the learned order: never on the per-gradient path. The core (``core.py``) reads the state
-set here.
+The functions here build and return; they set nothing on the reducer. ``Reducer``
+(``core.py``) takes what they return in two of its methods: ``_plan_members`` (the
+members, their hooks) and ``_install`` (a ``Layout``). They run at wrapping, when
+parameters join the plan, and when the plan is rebuilt: never on the per-gradient path.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from ..buckets import BucketPlan
-from ..naming import first_names
 from .agreement import AgreementRow
 from .autograd import ready_hook, when_given
 from .members import Members
-from .requires_grad import RequiresGradWatch
 from .sparse import SparseGradients
-from .state import ReducerState
-from .static_graph import StaticGraph
+from .state import GradientHook, ReducerState
 from .storage import BucketStorage
 
 log = logging.getLogger("bucketddp.reducer")
 
 
-def plan_members(r: ReducerState, indices: list[int]) -> None:
-    """Have ``r`` reduce the parameters at ``indices`` (into all parameters) from now on.
+class Layout(NamedTuple):
+    """What a plan runs on: the plan, its bucket storage, and the agreement row."""
 
-    Plans them in reverse registration order, to be rebuilt from the next backward's ready
-    order, and hooks each of them.
-    """
-    unhook(r)
-    m = r.m = Members(r.all_named, indices, r.sparse_names)
-    r.members, r.outside, r.names, r.params = m.indices, m.outside, m.names, m.params
-    if m.outside and r.frozen_watch is None:
-        r.frozen_watch = RequiresGradWatch(r)
-    if r.frozen_watch is not None:
-        r.frozen_watch.forget(indices)
-    r.unslotted = m.unslotted
-    sparse = sorted(m.unslotted)
-    r.sparse = SparseGradients(sparse, m.params, r.process_group) if sparse else None
-    n = len(m.params)
-    r.ready = [False] * n  # got its gradient in the current backward
-    r.n_ready = 0
-    r.used = [False] * n  # got a gradient since the last synced backward
-    r.observed = []  # the ready order, until the plan is rebuilt
-    r.static = StaticGraph(r) if r.static_graph else None
-    install(r, m.plan(*r.caps))
-    # What each parameter's hook calls: stage its gradient in a slot, or count it (sparse,
-    # reduced in place). partial (C-implemented) rather than a closure: one Python frame
-    # less per parameter per step.
-    r.gradient_hooks = [r.unslotted_hook if i in r.unslotted else r.autograd_hook for i in range(n)]
-    hooks: list[Callable[[int, torch.Tensor], None]] = (
-        r.gradient_hooks if r.static is None else [r.static.autograd_hook] * n
-    )
-    if r.find_unused_parameters and r.static is None:
-        # A hook that fires with no gradient means unused here, as in torch DDP.
-        hooks = [functools.partial(when_given, hook) for hook in hooks]
-    r.hook_handles = [
-        ready_hook(p, functools.partial(hook, i))
-        for i, (p, hook) in enumerate(zip(m.params, hooks, strict=True))
-    ]
+    plan: BucketPlan
+    storage: BucketStorage
+    row: AgreementRow | None  # on the last bucket; None without buckets (nothing to reduce)
 
 
-def install(r: ReducerState, plan: BucketPlan) -> None:
-    """Allocate bucket storage for ``plan`` and move any existing gradients into it."""
-    r.plan = plan
+def build(r: ReducerState, plan: BucketPlan) -> Layout:
+    """Allocate bucket storage for ``plan`` (no buckets if ``r`` does not communicate) and
+    the agreement row on its last bucket; ``r``'s members are those ``plan`` buckets."""
     n = len(r.params)
     dtype = plan[-1].dtype if len(plan) else torch.float32
     extra = r.finite.row_slots(dtype, n) if r.finite is not None else 0
-    storage = r.storage = BucketStorage(
+    storage = BucketStorage(
         plan if r.communicates else BucketPlan((), (), learned=False),
         r.params,
         r.m.index,
@@ -80,37 +49,43 @@ def install(r: ReducerState, plan: BucketPlan) -> None:
         unslotted=sorted(r.unslotted) if r.communicates else [],
         owner=r,
     )
-    r.buckets, r.views, r.ptrs, r.bucket_of = (
-        storage.buckets,
-        storage.views,
-        storage.ptrs,
-        storage.bucket_of,
-    )
-    storage.take_grads(r.gradient_as_bucket_view)
-    r.set_scales()
-    if r.buckets:
-        area = r.buckets[-1].row
+    row = None
+    if storage.buckets:
+        area = storage.buckets[-1].row
         assert area is not None
-        r.row = AgreementRow(area, planned=n, members=r.members, reducer=r, extra=extra)
-        if r.finite is not None:
-            r.finite.install()
-    storage.count_own_tensors()
-    if r.rank == 0:
-        log.debug("bucketddp plan: %s", plan.describe())
+        row = AgreementRow(area, planned=n, members=r.members, reducer=r, extra=extra)
+    return Layout(plan, storage, row)
 
 
-def unhook(r: ReducerState) -> None:
-    """Detach the planned parameters' hooks."""
-    for h in r.hook_handles:
-        h.remove()
-    r.hook_handles = []
+def same_buckets(a: BucketPlan, b: BucketPlan) -> bool:
+    """Whether plans ``a`` and ``b`` put the same parameters in the same buckets."""
+    return [bucket.names for bucket in a] == [bucket.names for bucket in b]
 
 
-def plan_joined(r: ReducerState, joined: list[int]) -> None:
-    """Plan the ``joined`` parameters (trainable on every rank now) with the others."""
-    plan_members(r, sorted(r.members + joined))
-    log.info(
-        "bucketddp: %d parameter(s) now require a gradient on every rank and join the buckets: %s",
-        len(joined),
-        first_names([r.all_names[j] for j in joined]),
-    )
+def sparse_gradients(m: Members, group: dist.ProcessGroup | None) -> SparseGradients | None:
+    """What reduces the sparse gradients of ``m``'s members, or None without any."""
+    sparse = sorted(m.unslotted)
+    return SparseGradients(sparse, m.params, group) if sparse else None
+
+
+def hook_members(r: ReducerState) -> tuple[list[GradientHook], list[RemovableHandle]]:
+    """Hook ``r``'s planned parameters; returns what each hook calls, and the handles.
+
+    Each calls ``r``'s: stage the gradient in a slot, or count it (sparse, reduced in
+    place); through the static graph's count if there is one.
+    """
+    n = len(r.params)
+    # partial (C-implemented) rather than a closure: one Python frame less per parameter
+    # per step.
+    gradient_hooks: list[GradientHook] = [
+        r.unslotted_hook if i in r.unslotted else r.autograd_hook for i in range(n)
+    ]
+    hooks: list[GradientHook] = gradient_hooks if r.static is None else [r.static.autograd_hook] * n
+    if r.find_unused_parameters and r.static is None:
+        # A hook that fires with no gradient means unused here, as in torch DDP.
+        hooks = [functools.partial(when_given, hook) for hook in hooks]
+    handles = [
+        ready_hook(p, functools.partial(hook, i))
+        for i, (p, hook) in enumerate(zip(r.params, hooks, strict=True))
+    ]
+    return gradient_hooks, handles

@@ -2,7 +2,9 @@
 
 The first plan follows reverse registration order, a guess. The reducer records the order
 in which gradients become ready until the end of the first synced backward; then every
-rank takes rank 0's, so that all ranks launch the same buckets in the same order.
+rank takes rank 0's, so that all ranks launch the same buckets in the same order. The
+functions here return plans; the reducer installs them (``Reducer._adopt_learned_order``,
+``Reducer.load_order``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import torch.distributed as dist
 
 from ..buckets import BucketPlan
 from ..comm import global_rank
-from . import layout
 from .members import Members
 from .state import ReducerState
 
@@ -42,27 +43,13 @@ def learned_plan(
     return members.plan(*caps, [members.names[i] for i in indices.tolist()])
 
 
-def adopt_learned_order(r: ReducerState) -> None:
-    """At the end of the first synced backward: plan by rank 0's ready order from now on."""
-    assert r.observed is not None
-    device = r.device
-    plan = learned_plan(r.m, r.observed, r.caps, r.process_group, device)
-    r.observed = None
-    if [b.names for b in plan] == [b.names for b in r.plan]:
-        r.plan = plan  # same buckets: keep the storage, remember the order
-    else:
-        layout.install(r, plan)
-
-
 def learned_order(r: ReducerState) -> list[str] | None:
     """The ready order ``r`` learned from the first backward, or None before it is known."""
     return list(r.plan.order) if r.plan.learned else None
 
 
-def load_order(r: ReducerState, order: Sequence[str]) -> bool:
-    """Plan ``r`` by a learned ``order`` (from a checkpoint); False if its names differ."""
+def checkpoint_plan(r: ReducerState, order: Sequence[str]) -> BucketPlan | None:
+    """The plan for a learned ``order`` (from a checkpoint); None if its names differ."""
     if set(order) != set(r.names) or len(order) != len(r.names):
-        return False
-    layout.install(r, r.m.plan(*r.caps, order))
-    r.observed = None
-    return True
+        return None
+    return r.m.plan(*r.caps, order)

@@ -15,14 +15,6 @@ from .requires_grad import reduce_joined
 from .state import ReducerState
 
 
-def set_training_ranks(r: ReducerState, ranks: int, divisor: int) -> None:
-    """``ranks`` send gradients in ``r``'s next synced backward, averaged over ``divisor``."""
-    r.training_ranks = ranks
-    if divisor != r.divisor:
-        r.divisor = divisor
-        r.set_scales()
-
-
 def shadow_backward(r: ReducerState) -> None:
     """On a rank that has joined, match one synced backward of the ranks still training.
 

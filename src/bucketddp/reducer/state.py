@@ -4,6 +4,10 @@
 ``ReducerState`` rather than the ``Reducer`` itself, so that no module of the package
 imports the core back. The plug-in objects the core holds are typed here by what is asked
 of them (structural types), so that this module imports no plug-in that takes a state.
+
+Only the ``Reducer`` sets these fields, in ``__init__`` or its own methods: a plug-in
+reads them, may change what their objects hold, and returns what changes for the reducer
+to take (``tests/unit/test_layout.py`` checks).
 """
 
 from __future__ import annotations
@@ -185,7 +189,7 @@ class ReducerState(ABC):
     sync_step: bool
     touched_elsewhere: bool  # a gradient the ready count does not show arrived
 
-    # The plan and its parameters (set by layout.py).
+    # The plan and its parameters (set by Reducer._plan_members, from what layout.py builds).
     m: Members
     members: list[int]  # the planned parameters, by index into all of them
     outside: list[int]  # the others: frozen when the plan was made
@@ -202,7 +206,7 @@ class ReducerState(ABC):
     n_ready: int
     used: list[bool]
 
-    # The bucket storage and where each parameter's slot is.
+    # The bucket storage and where each parameter's slot is (set by Reducer._install).
     storage: BucketStorage
     buckets: list[Bucket]
     views: list[torch.Tensor]
@@ -254,6 +258,11 @@ class ReducerState(ABC):
         ...
 
     @abstractmethod
+    def used_not_ready(self, i: int) -> None:
+        """Parameter ``i`` got a gradient that is not its last: used, not ready yet."""
+        ...
+
+    @abstractmethod
     def queue_finalize(self) -> None:
         """Have the autograd engine call the end of backward."""
         ...
@@ -261,6 +270,11 @@ class ReducerState(ABC):
     @abstractmethod
     def outside_gradient(self, param: torch.Tensor) -> None:
         """A gradient of a parameter outside the plan arrived."""
+        ...
+
+    @abstractmethod
+    def use_caps(self, caps: tuple[int, int]) -> None:
+        """Plan with bucket sizes ``caps`` (in bytes) from now on, in the current order."""
         ...
 
     @abstractmethod

@@ -40,9 +40,7 @@ class StaticGraph:
             return
         if fires < expected[i]:
             if fires == 1:  # used, even if its last gradient never comes (reduced at the end)
-                r.used[i] = True
-                r.touched_elsewhere = True
-                r.queue_finalize()
+                r.used_not_ready(i)
             return
         if fires > expected[i]:
             raise RuntimeError(

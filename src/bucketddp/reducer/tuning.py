@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from ..buckets import MB, cap_bytes
 from ..comm import global_rank
-from . import layout
 from .state import ReducerState
 
 log = logging.getLogger("bucketddp.reducer")
@@ -121,14 +120,7 @@ class BucketTuner:
         self._use(self.choice)
 
     def _use(self, pair: tuple[float, float]) -> None:
-        r = self._r
-        caps = cap_bytes(pair[0]), cap_bytes(pair[1])
-        if caps == r.caps:
-            return
-        r.caps = caps
-        plan = r.m.plan(*caps, r.plan.order)
-        if [b.names for b in plan] != [b.names for b in r.plan]:
-            layout.install(r, plan)
+        self._r.use_caps((cap_bytes(pair[0]), cap_bytes(pair[1])))
 
     def _choose(self) -> None:
         r = self._r
