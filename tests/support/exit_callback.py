@@ -45,6 +45,20 @@ def callback(future: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Ten
     return future.value()
 
 
+class _Linger:
+    """Keeps the interpreter's shutdown going for a while after it began (its module is
+    cleared then), so that the worker, woken from its sleep, asks for the GIL while the
+    interpreter is finalizing even on a loaded machine, where it might otherwise not be
+    scheduled before the process is gone (and torch alone would exit 0)."""
+
+    def __init__(self) -> None:
+        self.sleep = time.sleep
+
+    def __del__(self) -> None:
+        self.sleep(2.0)  # releases the GIL: the worker's wake-up comes in this window
+
+
+_linger = _Linger()
 chained = dist.all_reduce(tensor, async_op=True).get_future().then(callback)
 while not started.exists():
     time.sleep(0.001)
