@@ -132,13 +132,18 @@ def _worker(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),
-        )
+        try:
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout),
+            )
+        except Exception:
+            # The helper's own group did not form: ``fn`` has not run (see FORMING).
+            conn.send(("error", (time.time(), traceback.format_exc(), FORMING)))
+            return
         result = fn(rank, world_size, *args)
         conn.send(("ok", _to_bytes(result)))
     except BaseException:
@@ -235,6 +240,46 @@ def run_ranks(
     what ``fn``'s module imports: seconds slower, for checks of what a program imports.
     """
     ctx = _FRESH if fresh else _CTX
+    for attempt in (1, 2):
+        results = _attempt(ctx, fn, world_size, args, timeout, env, backend)
+        if attempt == 1 and _only_forming(results):
+            # Another job on this host took the port between free_port() and the group's
+            # store (its ranks then meet ours): the group did not form, nothing ran.
+            print("multirank: the ranks' group did not form; once more, on a new port")
+            continue
+        break
+    errors = {r: payload for r, (kind, payload) in results.items() if kind == "error"}
+    if errors:
+        raise RankError(_first_failure(errors, world_size))
+    if len(results) < world_size:
+        missing = [r for r in range(world_size) if r not in results]
+        raise RankError(f"ranks {missing} ended without a result")
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
+
+
+FORMING = "forming"
+"""Marks an error raised while the helper's own group formed, before ``fn`` was called."""
+
+
+def _only_forming(results: dict[int, tuple[str, Any]]) -> bool:
+    """Whether no rank ran ``fn`` to its end and the first error came as the group formed."""
+    errors = {r: p for r, (kind, p) in results.items() if kind == "error"}
+    if not errors or any(kind == "ok" for kind, _ in results.values()):
+        return False
+    first = min(errors.values(), key=lambda p: p[0])
+    return len(first) > 2 and first[2] == FORMING
+
+
+def _attempt(
+    ctx: Any,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    timeout: float,
+    env: dict[str, str] | None,
+    backend: str,
+) -> dict[int, tuple[str, Any]]:
+    """One start of the ranks: what each sent (or its death), by rank."""
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     stack_dir = tempfile.mkdtemp(prefix="multirank-")
@@ -287,11 +332,4 @@ def run_ranks(
                 p.kill()
                 p.join()
         shutil.rmtree(stack_dir, ignore_errors=True)
-
-    errors = {r: payload for r, (kind, payload) in results.items() if kind == "error"}
-    if errors:
-        raise RankError(_first_failure(errors, world_size))
-    if len(results) < world_size:
-        missing = [r for r in range(world_size) if r not in results]
-        raise RankError(f"ranks {missing} ended without a result")
-    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
+    return results
