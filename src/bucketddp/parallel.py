@@ -420,6 +420,13 @@ class BucketDataParallel(nn.Module, Joinable):
         """Apply every buffer policy now; returns the collectives it took."""
         return self.buffers_sync.sync()
 
+    def sync_buffers_to_save(self) -> int:
+        """Sync the buffers before rank 0 saves them, only where that changes rank 0's
+        values (a policy that combines the ranks', ``BufferSync.combines``): with only
+        ``"broadcast"`` and ``"none"`` buffers, rank 0's values are already those, and no
+        collective is made. Returns the collectives it took."""
+        return self.buffers_sync.sync() if self.buffers_sync.combines else 0
+
     def remove_hooks(self) -> None:
         """Detach the reducer's and buffer sync's hooks, and leave the watchdog's watch."""
         _detach(self.reducer, self.buffers_sync)

@@ -121,3 +121,76 @@ def test_two_jobs_on_one_node_never_mix(tmp_path: Path) -> None:
     assert run_ranks(_one_job, 2, "job-b", 2.0, env=env) == [2.0, 2.0]
     parent = tmp_path / f"bucketddp-{os.geteuid()}"
     assert sorted(p.name for p in parent.iterdir()) == ["job-a", "job-b"]
+
+
+def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def _bn_snapshots(rank: int, world: int, policy: str) -> dict[str, Any]:
+    """Three steps of a BatchNorm net with a snapshot after each, the collectives each
+    snapshot made profiled; then a restart in the same processes resumes from the last."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bucketddp import BucketDataParallel
+    from bucketddp.elastic import Elastic
+
+    def build(seed: int) -> tuple[BucketDataParallel, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+        model = BucketDataParallel(net, buffer_sync={"*running_*": policy})
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    model, opt = build(0)
+    job = Elastic({"model": model, "optimizer": opt})
+    job.resume()
+    out: dict[str, Any] = {"made": []}
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            job.step()
+        out["made"].append([e.name for e in prof.events() if e.name.startswith("c10d::")])
+    out["at_snapshot"] = _buffers(model.module)
+    job.session._writer.wait()  # type: ignore[union-attr]
+    dist.barrier()
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
+    again, opt2 = build(1)
+    resumed = Elastic({"model": again, "optimizer": opt2})
+    out["resumed"] = resumed.resume()
+    out["restored"] = _buffers(again.module)
+    out["same_weights"] = all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True)
+    )
+    return out
+
+
+def test_a_snapshot_makes_no_collective_and_each_rank_gets_its_own_buffers(
+    tmp_path: Path,
+) -> None:
+    # BatchNorm's default, "broadcast": rank 0 already holds what a sync would give, so a
+    # snapshot syncs nothing; each rank's own statistics (which differ until the next
+    # forward's broadcast) come back to it at an unchanged world size.
+    r0, r1 = run_ranks(_bn_snapshots, 2, "broadcast", env=_env(tmp_path, "bn-broadcast"))
+    for r in (r0, r1):
+        assert r["made"] == [[], [], []]
+        assert r["resumed"] and r["same_weights"]
+    assert not torch.equal(r0["at_snapshot"]["1.running_mean"], r1["at_snapshot"]["1.running_mean"])
+    for r in (r0, r1):
+        for name, value in r["at_snapshot"].items():
+            assert torch.equal(r["restored"][name], value), name
+    # A policy that combines the ranks' values ("mean" here, for the statistics) makes the
+    # snapshot sync every buffer, as a checkpoint has them: the mean's all-reduce and the
+    # count's broadcast; every rank restores the synced values.
+    r0, r1 = run_ranks(_bn_snapshots, 2, "mean", env=_env(tmp_path, "bn-mean"))
+    for r in (r0, r1):
+        assert [sorted(made) for made in r["made"]] == [
+            ["c10d::allreduce_", "c10d::broadcast_"]
+        ] * 3
+        assert r["resumed"] and r["same_weights"]
+    for name, value in r0["at_snapshot"].items():
+        assert torch.equal(value, r1["at_snapshot"][name]), name
+        assert torch.equal(r0["restored"][name], value) and torch.equal(r1["restored"][name], value)

@@ -38,8 +38,12 @@ ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 def _net(dropout: float = 0.1) -> torch.nn.Module:
     torch.manual_seed(0)
+    # BatchNorm's statistics are "broadcast" buffers: a snapshot takes each rank's own.
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.Dropout(dropout), torch.nn.Linear(32, 2)
+        torch.nn.Linear(8, 32),
+        torch.nn.BatchNorm1d(32),
+        torch.nn.Dropout(dropout),
+        torch.nn.Linear(32, 2),
     )
 
 

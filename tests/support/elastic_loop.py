@@ -1,8 +1,8 @@
 """A hand-written loop under torchrun with ``bucketddp.elastic``: run by test_elastic.py.
 
-Three epochs of 8 steps on 2 ranks (a shuffled ElasticSampler). In attempt 0, rank 1 kills
-itself (SIGKILL; SIGSTOP under ``ELASTIC_KILL=STOP``) when ``kill`` steps are done;
-torchrun restarts both workers and the loop resumes from the newest snapshot. Under
+Three epochs of 8 steps on 2 ranks (a shuffled ElasticSampler), a net with BatchNorm. In
+attempt 0, rank 1 kills itself (SIGKILL; SIGSTOP under ``ELASTIC_KILL=STOP``) when ``kill``
+steps are done; torchrun restarts both workers and the loop resumes from the newest snapshot. Under
 ``ELASTIC_SIGNAL=TERM``, rank ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead
 (``notice_due``). Each rank logs every step it completes (and the attempt) to
 ``<out>/steps.rank<R>``; rank 0 saves the final weights to ``<out>/final.pt``. Under
@@ -80,8 +80,12 @@ def main(out: str, kill: int) -> None:
     rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     torch.manual_seed(0)
     width = int(os.environ.get("ELASTIC_WIDTH", "32"))
+    # BatchNorm's statistics are "broadcast" buffers: a snapshot takes each rank's own.
     net = torch.nn.Sequential(
-        torch.nn.Linear(8, width), torch.nn.Dropout(0.1), torch.nn.Linear(width, 2)
+        torch.nn.Linear(8, width),
+        torch.nn.BatchNorm1d(width),
+        torch.nn.Dropout(0.1),
+        torch.nn.Linear(width, 2),
     )
     model = BucketDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

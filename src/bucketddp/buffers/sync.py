@@ -200,6 +200,13 @@ class BufferSync:
         return [self._get(n) for n in self.policies if n not in self.rank_local]
 
     @property
+    def combines(self) -> bool:
+        """Whether some buffer's policy combines the ranks' values (``"mean"``, ``"sum"``,
+        ``"max"``, ``"min"`` or a function). Without one, rank 0 already holds every value a
+        sync would give: ``"broadcast"`` takes rank 0's, and ``"none"`` is left alone."""
+        return any(p not in ("broadcast", "none") for p in self.policies.values())
+
+    @property
     def needed(self) -> bool:
         """Whether a sync before the next forward would communicate."""
         return self.world_size > 1 and bool(self.groups) and not self.paused

@@ -66,14 +66,21 @@ def restore_hook(wrapper: BucketDataParallel, entry: dict[str, Any] | None, own:
     hook_state.restore(state, entry["shared"], own, had_own=entry["has_own"])
 
 
-def rank_local_buffers(wrapper: BucketDataParallel) -> dict[str, Any]:
-    """The wrapper's rank-local (``"none"``) buffers: each rank's own values."""
-    names = wrapper.buffers_sync.rank_local
+def own_buffers(wrapper: BucketDataParallel) -> dict[str, Any]:
+    """This rank's own buffer values at a snapshot, put back on this rank alone after a
+    resume at an unchanged world size: the rank-local (``"none"``) buffers, and the
+    ``"broadcast"`` ones when no policy combines the ranks' values. A snapshot then makes no
+    sync (``sync_buffers_to_save``), so those may differ from rank 0's until the next
+    forward's sync, exactly as in a run that was never interrupted."""
+    sync = wrapper.buffers_sync
+    names = set(sync.rank_local)
+    if not sync.combines:
+        names |= {n for n, p in sync.policies.items() if p == "broadcast"}
     return {n: b.detach().clone() for n, b in wrapper.module.named_buffers() if n in names}
 
 
-def load_rank_local(wrapper: BucketDataParallel, values: dict[str, Any]) -> None:
-    """Put this rank's own rank-local buffer values back."""
+def load_own_buffers(wrapper: BucketDataParallel, values: dict[str, Any]) -> None:
+    """Put this rank's own buffer values (``own_buffers``) back."""
     buffers = dict(wrapper.module.named_buffers())
     for name, value in values.items():
         if name in buffers:
@@ -164,9 +171,9 @@ class Elastic:
         own = restored.own
         if own is not None:  # the same world size: this rank's own generators and buffers
             rng.restore(own["rng"])
-            for name, values in own["rank_local"].items():
+            for name, values in own["buffers"].items():
                 if (wrapper := wrapper_of(self.state.get(name))) is not None:
-                    load_rank_local(wrapper, values)
+                    load_own_buffers(wrapper, values)
         for name, entry in saved.get("hooks", {}).items():
             if (wrapper := wrapper_of(self.state.get(name))) is not None:
                 mine = own.get("hooks", {}).get(name) if own is not None else None
@@ -199,13 +206,13 @@ class Elastic:
     def _parts(self, position: EpochPosition | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """A snapshot's shared state and this rank's own part, as of now."""
         saved: dict[str, Any] = {"state": {}, "plans": {}, "hooks": {}, "steps": self.steps}
-        own: dict[str, Any] = {"rng": rng.capture(), "rank_local": {}, "hooks": {}}
+        own: dict[str, Any] = {"rng": rng.capture(), "buffers": {}, "hooks": {}}
         for name, value in self.state.items():
             wrapper = wrapper_of(value)
             if wrapper is not None:
-                wrapper.sync_buffers()  # the buffers by their policies, as a checkpoint has them
+                wrapper.sync_buffers_to_save()  # as a checkpoint has them
                 saved["plans"][name] = plan_of(wrapper)
-                own["rank_local"][name] = rank_local_buffers(wrapper)
+                own["buffers"][name] = own_buffers(wrapper)
                 saved["hooks"][name], own["hooks"][name] = hook_parts(wrapper)
             saved["state"][name] = value.state_dict() if hasattr(value, "state_dict") else value
         saved["position"] = position

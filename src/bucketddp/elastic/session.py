@@ -119,7 +119,7 @@ class Session:
 
     def take(self, step: int, state: Any, own: Any = None, *, finished: bool = False) -> None:
         """Write this rank's share of the snapshot of ``step`` (the write finishes in the
-        background); ``own`` is this rank's own part (RNG states, rank-local buffers);
+        background); ``own`` is this rank's own part (RNG states, its own buffers);
         ``finished`` marks the state at the fit's end (``finish``)."""
         if self._writer is None:
             self._writer = Writer(self.job, *self._open())

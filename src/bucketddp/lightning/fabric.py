@@ -289,13 +289,15 @@ class BucketFabricDDP(FabricStrategyHooks, DDPStrategy):
     # ---------------------------------------------------------------- checkpoints
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
-        """The module's state dict without the wrapper's prefix, buffers synced first.
+        """The module's state dict without the wrapper's prefix, as rank 0 writes it.
 
-        ``fabric.save`` runs on every rank, so the sync is a collective like any other;
-        ``"none"`` buffers are written from rank 0's copy, as rank 0 writes the file.
+        Buffers whose policy combines the ranks' values (``"mean"``, ``"sum"``...) are
+        synced first: ``fabric.save`` runs on every rank, so that sync is a collective like
+        any other. ``"broadcast"`` and ``"none"`` buffers are written from rank 0's own
+        values, with no collective.
         """
         if isinstance(module, BucketDataParallel):
-            module.sync_buffers()
+            module.sync_buffers_to_save()
             module = module.module
         return super().get_module_state_dict(module)
 

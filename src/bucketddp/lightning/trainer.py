@@ -369,7 +369,7 @@ class BucketDDP(TrainerStrategyHooks, DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """DDPStrategy's; after a resume, the first one first puts back the comm hook's
-        state and (elastic) this rank's RNG states and rank-local buffers."""
+        state and (elastic) this rank's RNG states and own buffers."""
         if self._elastic is not None:
             self._elastic.before_training_step(self._wrapped)
         self._hook_checkpoint.restore(self.root_device)
@@ -403,12 +403,15 @@ class BucketDDP(TrainerStrategyHooks, DDPStrategy):
     # ---------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state dict (no wrapper prefix), with buffers synced first.
+        """The module's state dict (no wrapper prefix), as rank 0 writes it.
 
-        Every rank takes part in checkpointing, so the sync is a collective like any other;
-        ``"none"`` buffers are written from rank 0's copy, as rank 0 writes the file.
+        Buffers whose policy combines the ranks' values (``"mean"``, ``"sum"``...) are
+        synced first: every rank takes part in checkpointing, so that sync is a collective
+        like any other. ``"broadcast"`` and ``"none"`` buffers are written from rank 0's
+        own values, with no collective.
         """
-        self._sync_buffers()
+        if (wrapped := self._wrapped) is not None:
+            wrapped.sync_buffers_to_save()
         return super().lightning_module_state_dict()
 
     @override

@@ -12,7 +12,7 @@ to the Trainer, through the strategy's hooks and one callback:
   rank has used yet, at any world size;
 - after each ``snapshot_every``-th optimizer step (``on_train_batch_end``, where a
   ``ModelCheckpoint(every_n_train_steps=...)`` saves), the checkpoint Lightning would save
-  goes to shared memory instead, with each rank's RNG states and rank-local buffers;
+  goes to shared memory instead, with each rank's RNG states and own buffers (``own_buffers``);
 - the communication hook's state (PowerSGD's) goes with them: what every rank shares in
   the checkpoint, the rest with the rank's own part (``bucketddp.hook_state``);
 - the first training step after a resume puts those back;
@@ -43,7 +43,7 @@ from torch.utils.data import DistributedSampler
 
 from ..elastic import rng, room
 from ..elastic.job import NOT_UNDER_TORCHRUN, under_torchrun
-from ..elastic.loop import hook_parts, load_rank_local, rank_local_buffers, restore_hook
+from ..elastic.loop import hook_parts, load_own_buffers, own_buffers, restore_hook
 from ..elastic.resume import Restored
 from ..elastic.sampler import ElasticSampler
 from ..elastic.session import Session
@@ -169,7 +169,7 @@ class TrainerElastic:
 
     def before_training_step(self, wrapped: BucketDataParallel | None) -> None:
         """After a resume at an unchanged world size, put back this rank's own RNG states
-        and rank-local buffers, where the interrupted fit took them: mid-epoch, after the
+        and own buffers, where the interrupted fit took them: mid-epoch, after the
         loader's iterator was made, at the first training step."""
         self._restore_own(wrapped)
         if wrapped is not None and self._hook is not None:
@@ -190,7 +190,7 @@ class TrainerElastic:
             rng.restore(own["rng"])
             own["rng"] = None
         if wrapped is not None:
-            load_rank_local(wrapped, own["rank_local"])
+            load_own_buffers(wrapped, own["buffers"])
             self._own = None
 
     def snapshot(self, trainer: Any, wrapped: BucketDataParallel, plan: dict[str, Any]) -> None:
@@ -226,7 +226,7 @@ class TrainerElastic:
                 "used": used,
                 "epoch_end": progress >= trainer.num_training_batches,
             }
-        own = {"rng": rng.capture(), "rank_local": rank_local_buffers(wrapped)}
+        own = {"rng": rng.capture(), "buffers": own_buffers(wrapped)}
         checkpoint[HOOK_ENTRY], own["hooks"] = hook_parts(wrapped)
         return checkpoint, own
 
