@@ -284,6 +284,11 @@ strategies with a newer Lightning, warns once (`UntestedVersionWarning`, a `User
 and goes on. A release older than the floor is refused: pip does not install it, and
 `import bucketddp` raises on torch 2.4. `constraints.txt` pins the exact versions CI runs.
 
+The strategies build on Lightning's public API, plus 19 private names that all live in
+`bucketddp/lightning/internals.py`, each marked with the releases it was checked on
+(2.4.0, 2.5.6 and 2.6.6). A new Lightning release that changes one of them fails there,
+and in the compat run below.
+
 A new release joins the window when `python3 dev.py compat --only 'torch 2.16'` passes on
 it (or `--only 'Lightning 2.7'`): its row goes into this table and the newest release into
 `bucketddp/versions.py` (a unit test checks that the two agree).
