@@ -8,10 +8,16 @@ shared memory, and left no snapshot behind. Rank 1 killed after the loop's ``fin
 (2 restarts allowed): the restart does no step, the job exits 0 with the same weights, and
 the workers' clean exits leave nothing. And ten restarts in a row must each form
 their process group (the agent's store keeps the last attempt's gloo addresses).
+
+A whole-job preemption (SIGTERM to the torchrun agent, which sends it to every worker and
+ends the job) with a disk folder: the same command run again resumes from the disk, with
+no step done twice, bit-equal. A disk folder that cannot be made fails every rank before
+the first step, naming it.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,10 +25,13 @@ from pathlib import Path
 import pytest
 
 from elastic_runs import (
+    ROOT,
     assert_stopped_together,
     assert_trained_once,
     done_twice,
     same_weights,
+    standalone,
+    steps_by_attempt,
     torchrun_failing,
 )
 from lightning_runs import SUPPORT, torchrun
@@ -63,6 +72,38 @@ def test_a_killed_rank_costs_at_most_one_step_of_a_plain_loop(tmp_path: Path, sh
         assert not left, f"snapshots left after a clean finish: {left}"
 
 
+def test_a_whole_job_preemption_of_a_plain_loop_resumes_from_disk(
+    tmp_path: Path, shm: Path
+) -> None:
+    straight, out, disk = tmp_path / "straight", tmp_path / "out", tmp_path / "disk"
+    straight.mkdir()
+    out.mkdir()
+    torchrun(LOOP, str(straight), "-1", env={"BUCKETDDP_SNAPSHOT_DIR": str(shm / "straight")})
+    env = {
+        **os.environ,
+        "BUCKETDDP_SNAPSHOT_DIR": str(shm / "out"),
+        "BUCKETDDP_PREEMPT_DIR": str(disk),
+        "ELASTIC_SIGNAL": "AGENT",
+    }
+    first = subprocess.run(
+        [*standalone(1), str(LOOP), str(out), "13"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+        env=env,
+    )
+    assert first.returncode != 0, (first.stdout + first.stderr)[-3000:]  # the job ended
+    assert not [p for p in (shm / "out").glob("**/*") if not p.is_dir()]  # all on disk
+    torchrun(LOOP, str(out), "13", env={**env, "ELASTIC_RERUN": "1"})
+    for rank in (0, 1):
+        # /dev/shm was empty: only the disk held step 14. Both runs are torchrun's
+        # attempt 0: steps 1 to 14, then 15 to 24, none twice.
+        assert steps_by_attempt(out, rank) == {0: list(range(1, 25))}, rank
+    assert same_weights(out / "final.pt", straight / "final.pt")
+    assert sorted(p.name for p in disk.iterdir()) == [], "the finished job left its disk copy"
+
+
 def test_ten_restarts_in_a_row_each_form_their_group(tmp_path: Path) -> None:
     torchrun(SUPPORT / "elastic_restarts.py", str(tmp_path), "10", restarts=10, timeout=300)
     for rank in (0, 1):
@@ -87,6 +128,10 @@ def test_a_bad_snapshot_folder_fails_every_rank_before_the_first_step(tmp_path: 
     blocker.write_text("")
     text = _refused(tmp_path, blocker / "snapshots")  # a folder that cannot be made
     assert "cannot make the snapshot folder" in text, text[-3000:]
+    env = {"BUCKETDDP_SNAPSHOT_DIR": str(tmp_path / "shm"), "BUCKETDDP_PREEMPT_DIR": str(blocker)}
+    text = torchrun_failing(LOOP, str(tmp_path), "-1", env=env)  # a disk folder that is a file
+    assert not list(tmp_path.glob("steps.rank*")), "a training step ran"
+    assert f"{blocker} is not a directory" in text and "BUCKETDDP_PREEMPT_DIR" in text, text[-3000:]
     small = tmp_path / "small"
     small.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)])

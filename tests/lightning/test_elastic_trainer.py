@@ -21,6 +21,16 @@
 - A node lost: two torchrun agents on this machine (``--nnodes=1:2``), one killed with its
   worker mid-epoch; the other goes on at world size 1, every epoch uses every row exactly
   once, and a ``"sum"`` buffer counts every row once.
+- A whole-job preemption: SIGTERM to the torchrun agent once 13 steps are done (it sends
+  SIGTERM to every worker and ends the job), with ``BUCKETDDP_PREEMPT_DIR`` given: every
+  rank stops after step 14, the snapshot goes to disk and ``/dev/shm`` is left empty; the
+  same command run again resumes from the disk: steps 15 to 24, bit-equal, and the disk
+  copy is gone once the fit is done.
+- SLURM's auto-requeue: two ranks started as ``srun`` would (SLURM's variables, no
+  torchrun), ``scontrol`` faked on ``PATH``; SIGUSR1 to every rank once 13 steps are done:
+  they stop after step 14, the snapshot goes to the default disk folder in
+  ``default_root_dir``, rank 0 requeues the job (once); the requeued run
+  (``SLURM_RESTART_COUNT=1``) resumes from it: steps 15 to 24, bit-equal.
 - Without torchrun, ``elastic=True`` says it takes no snapshots.
 """
 
@@ -40,11 +50,13 @@ from pathlib import Path
 import pytest
 
 from elastic_runs import (
+    ROOT,
     agent,
     assert_stopped_together,
     assert_trained_once,
     done_twice,
     same_weights,
+    standalone,
     start,
 )
 from lightning_runs import SUPPORT, torchrun
@@ -217,6 +229,123 @@ def test_a_lost_node_leaves_the_rest_training_on_every_row_once(tmp_path: Path, 
     assert sorted(rows) == [0, 1, 2]
     for epoch, count in rows.items():
         assert count == Counter(range(64)), f"epoch {epoch}: rows lost or used twice"
+
+
+def _steps(out: Path, rank: int) -> list[int]:
+    log = (out / f"steps.rank{rank}").read_text().split()
+    return [int(step) for step in log[1::4]]
+
+
+@pytest.mark.timeout(600)  # a hang guard: two torchrun jobs of Lightning
+def test_a_whole_job_preemption_resumes_from_disk(
+    tmp_path: Path, shm: Path, straight: Path
+) -> None:
+    out, disk = tmp_path / "out", tmp_path / "disk"
+    out.mkdir()
+    env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm), "BUCKETDDP_PREEMPT_DIR": str(disk)}
+    first = subprocess.run(
+        [*standalone(1), str(SCRIPT), "trainer", str(out), "13"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, **env, "ELASTIC_SIGNAL": "AGENT"},
+    )
+    output = first.stdout + first.stderr
+    assert first.returncode != 0, output[-3000:]  # the agent was stopped: the job ended
+    assert f"whose snapshot is in {disk}, where the job resumes from" in output, output[-3000:]
+    assert "terminate called" not in output, output[-3000:]
+    for rank in (0, 1):
+        assert _steps(out, rank) == list(range(1, 15)), (rank, output[-3000:])
+    kinds = sorted(p.name.split(".")[2] + "." + p.suffix for p in disk.iterdir() if p.name != "key")
+    assert kinds == ["l0..data", "l0..meta", "l1..data", "l1..meta"], sorted(disk.iterdir())
+    assert not any(shm.glob("**/*")), sorted(shm.glob("**/*"))  # on disk now, not in memory
+    again = torchrun(
+        SCRIPT,
+        "trainer",
+        str(out),
+        "13",
+        env={**env, "ELASTIC_SIGNAL": "AGENT", "ELASTIC_RERUN": "1"},
+    )
+    assert f"step 14, from the disk folder {disk}" in again, again[-3000:]
+    for rank in (0, 1):
+        assert _steps(out, rank) == list(range(1, 25)), rank  # 15 to 24 in the rerun
+    assert same_weights(out / "final.pt", straight / "trainer" / "final.pt")
+    assert sorted(p.name for p in disk.iterdir()) == [], "the finished job left its disk copy"
+    assert not any(shm.glob("**/*")), sorted(shm.glob("**/*"))
+
+
+def _srun(
+    out: Path, port: int, restart: int, bin_dir: Path, shm: Path
+) -> list[subprocess.Popen[bytes]]:
+    """The two tasks ``srun --ntasks=2`` would start on one node, in job 4242 (its
+    ``restart``-th requeue), with ``bin_dir`` first on ``PATH``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "SLURM"))}
+    env.update(
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NAME="train",
+        SLURM_NTASKS="2",
+        SLURM_NTASKS_PER_NODE="2",
+        SLURM_TASKS_PER_NODE="2",
+        SLURM_NNODES="1",
+        SLURM_NODEID="0",
+        SLURM_NODELIST="127.0.0.1",
+        SLURM_RESTART_COUNT=str(restart),
+        MASTER_PORT=str(port),
+        BUCKETDDP_SNAPSHOT_DIR=str(shm),
+        ELASTIC_SIGNAL="USR1",
+        PATH=f"{bin_dir}:{env['PATH']}",
+    )
+    procs = []
+    for rank in (0, 1):
+        log = open(out / f"task{rank}.restart{restart}.log", "wb")  # noqa: SIM115
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), "trainer", str(out), "13"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env={**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)},
+                start_new_session=True,
+            )
+        )
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(600)  # a hang guard: two runs of a Lightning job
+def test_slurm_auto_requeue_resumes_from_disk(tmp_path: Path, shm: Path, straight: Path) -> None:
+    out, bin_dir = tmp_path / "out", tmp_path / "bin"
+    out.mkdir()
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.calls\n')
+    scontrol.chmod(0o755)
+    codes = _wait(_srun(out, free_port(), 0, bin_dir, shm), timeout=300)
+    logs = "".join(p.read_text() for p in sorted(out.glob("task*.restart0.log")))
+    assert codes == [128 + signal.SIGUSR1] * 2, (codes, logs[-3000:])
+    assert (tmp_path / "scontrol.calls").read_text() == "requeue 4242\n", logs[-3000:]
+    assert "requeued SLURM job 4242" in logs, logs[-3000:]
+    for rank in (0, 1):
+        assert _steps(out, rank) == list(range(1, 15)), (rank, logs[-3000:])
+    assert not any(shm.glob("**/*")), sorted(shm.glob("**/*"))
+    codes = _wait(_srun(out, free_port(), 1, bin_dir, shm), timeout=300)
+    logs = "".join(p.read_text() for p in sorted(out.glob("task*.restart1.log")))
+    assert codes == [0, 0], (codes, logs[-3000:])
+    assert "step 14, from the disk folder" in logs, logs[-3000:]
+    for rank in (0, 1):
+        assert _steps(out, rank) == list(range(1, 25)), rank  # 15 to 24 once requeued
+    assert same_weights(out / "final.pt", straight / "trainer" / "final.pt")
+    assert (tmp_path / "scontrol.calls").read_text() == "requeue 4242\n"  # not again
+    assert not any(shm.glob("**/*")), sorted(shm.glob("**/*"))
 
 
 def test_elastic_without_torchrun_says_it_takes_no_snapshots(tmp_path: Path) -> None:

@@ -31,9 +31,9 @@ from torch.utils.data import DataLoader
 
 from bucketddp import BucketDDP, BucketFabricDDP
 from bucketddp.elastic import ElasticSampler
-from elastic_loop import BATCH, EPOCHS, after_fit, dataset, notice_due
+from elastic_loop import BATCH, EPOCHS, after_fit, attempt_of_job, dataset, notice_due
 
-ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+ATTEMPT = attempt_of_job()
 
 
 def _net(dropout: float = 0.1) -> torch.nn.Module:

@@ -40,15 +40,37 @@ def dataset() -> TensorDataset:
     return TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g))
 
 
+def attempt_of_job() -> int:
+    """This process's attempt: torchrun's restart count, or SLURM's requeue count."""
+    env = os.environ
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", env.get("SLURM_RESTART_COUNT", "0")))
+
+
 def notice_due(rank: int, done: int, kill: int) -> bool:
-    """Under ``ELASTIC_SIGNAL=TERM``: whether this is the step at which this rank sends
-    itself SIGTERM in attempt 0 (it then does)."""
-    if os.environ.get("ELASTIC_SIGNAL") != "TERM":
+    """Whether a stop notice, not a kill, ends attempt 0 (``ELASTIC_SIGNAL`` set); if so,
+    at the step ``kill`` it is sent, in the job's first run (``ELASTIC_RERUN`` unset):
+
+    - ``TERM``: rank ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM;
+    - ``AGENT``: rank 0 sends SIGTERM to its torchrun agent, which sends it to every
+      worker and ends the job (a whole-job preemption), and waits for its own;
+    - ``USR1``: every rank sends itself SIGUSR1 (SLURM's ``--signal=USR1@...``).
+    """
+    how = os.environ.get("ELASTIC_SIGNAL")
+    if how is None:
         return False
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    victim = int(os.environ.get("ELASTIC_SIGNAL_RANK", "1"))
-    if attempt == 0 and rank == victim and done == kill:
+    if attempt_of_job() != 0 or os.environ.get("ELASTIC_RERUN") == "1" or done != kill:
+        return True
+    if how == "TERM" and rank == int(os.environ.get("ELASTIC_SIGNAL_RANK", "1")):
         os.kill(os.getpid(), signal.SIGTERM)  # handled: training goes on to the stop
+    elif how == "AGENT" and rank == 0:
+        from bucketddp.notice import NOTICE
+
+        os.kill(os.getppid(), signal.SIGTERM)
+        deadline = time.monotonic() + 120  # a hang guard: the agent sends it at once
+        while not NOTICE.pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+    elif how == "USR1":
+        os.kill(os.getpid(), signal.SIGUSR1)
     return True
 
 
@@ -77,7 +99,7 @@ def main(out: str, kill: int) -> None:
     if plant:
         os.umask(0)
     init_process_group("gloo")
-    rank, attempt = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank, attempt = dist.get_rank(), attempt_of_job()
     torch.manual_seed(0)
     width = int(os.environ.get("ELASTIC_WIDTH", "32"))
     # BatchNorm's statistics are "broadcast" buffers: a snapshot takes each rank's own.

@@ -137,8 +137,9 @@ class Folder:
         with os.fdopen(fd, "rb") as f:
             return f.read()
 
-    def write(self, name: str, data: bytes) -> None:
-        """Write ``name`` whole or not at all: a new file (``0600``), then a rename.
+    def write(self, name: str, data: bytes, *, sync: bool = False) -> None:
+        """Write ``name`` whole or not at all: a new file (``0600``), then a rename; with
+        ``sync``, the file and then the rename reach the disk before this returns.
 
         The new file's name is this process's own: ranks of two agents on one host share
         the folder and may write the same name at once."""
@@ -147,7 +148,12 @@ class Folder:
         fd = self._open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, name, src_dir_fd=self._fd, dst_dir_fd=self._fd)
+        if sync:
+            os.fsync(self._fd)
 
     def map(self, name: str, nbytes: int, *, create: bool) -> mmap.mmap | None:
         """File ``name`` mapped: with ``create``, made (``0600``) or resized to ``nbytes``

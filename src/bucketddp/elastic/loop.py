@@ -7,6 +7,7 @@ before training. Under torchrun, after a worker dies and torchrun restarts every
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -17,9 +18,9 @@ from .. import hook_state
 from ..notice import NOTICE
 from ..parallel import BucketDataParallel
 from . import rng, room
-from .job import NOT_UNDER_TORCHRUN, under_torchrun
+from .job import NOT_UNDER_TORCHRUN
 from .sampler import ElasticSampler, EpochPosition
-from .session import Session, check_every
+from .session import Session, open_session
 
 
 def wrapper_of(value: object) -> BucketDataParallel | None:
@@ -106,9 +107,15 @@ class Elastic:
             ``BUCKETDDP_STOP_SIGNALS``, else SIGTERM and SIGUSR1. The notice rides on the
             wrapper's own all-reduce; with no ``BucketDataParallel`` in ``state`` it costs
             one small all-reduce per step.
+        preempt_dir: a folder (on disk, reachable from every node that may run the job)
+            that a stop on a signal also copies its snapshot to; the job, started again
+            anywhere, resumes from it. If None, ``BUCKETDDP_PREEMPT_DIR``, else none.
+        requeue: under SLURM's srun, rank 0 runs ``scontrol requeue`` once a stop's
+            snapshot is in ``preempt_dir``.
 
-    Outside torchrun, nothing would restart the workers: it warns once and takes no
-    snapshots (``resume()`` returns False), so the same script runs anywhere.
+    Outside torchrun (and SLURM with ``preempt_dir``), nothing would resume the workers:
+    it warns once and takes no snapshots (``resume()`` returns False), so the same script
+    runs anywhere.
     """
 
     def __init__(
@@ -120,18 +127,20 @@ class Elastic:
         batch_size: int | None = None,
         group: dist.ProcessGroup | None = None,
         signals: str | None = None,
+        preempt_dir: str | os.PathLike[str] | None = None,
+        requeue: bool = False,
     ) -> None:
         if sampler is not None and (batch_size is None or batch_size < 1):
             raise ValueError(
                 "Elastic(sampler=...) needs batch_size: the samples per rank per batch"
             )
         self.state = state
-        self.session: Session | None = None
-        if under_torchrun():
-            self.session = Session(every, group, signals)
+        self.session: Session | None = open_session(
+            every, group, signals, preempt_dir, requeue=requeue
+        )
+        if self.session is not None:
             self.session.listen()
         else:
-            check_every(every)
             warnings.warn(NOT_UNDER_TORCHRUN, stacklevel=2)
         self.sampler = sampler
         self.batch_size = batch_size or 0

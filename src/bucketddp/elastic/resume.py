@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..checkpoint import broadcast_checkpoint, join_tensors
 from ..comm import global_rank
+from .disk import Disk
 from .files import Snapshot, checksum, data_name, remove_except, scan
 from .folder import Folder
 from .job import Job
@@ -73,62 +74,80 @@ def read(folder: Folder, snapshot: Snapshot) -> tuple[Any, dict[int, bytes]]:
 
 
 Key = tuple[int, bool, int, int]  # a snapshot's (step, finished, attempt, node)
+Listed = tuple[Key, bool, bool, list[int], int]  # key, on disk, loadable, writers, world
 
 
-def _listing(job: Job, folder: Folder, key: bytes, phase: int) -> list[tuple[Key, list[int], int]]:
-    """(its key, writers' global ranks, world size) of this node's snapshots of fit
-    ``phase``."""
-    if job.local_rank != 0:
-        return []
-    return [
-        (s.key, sorted(m["rank"] for m in s.metas.values()), s.metas[0]["world_size"])
-        for s in scan(folder, key)
-        if s.phase == phase
-    ]
+def _entry(s: Snapshot, on_disk: bool, loadable: bool) -> Listed:
+    writers = sorted(m["rank"] for m in s.metas.values())
+    return (s.key, on_disk, loadable, writers, s.metas[0]["world_size"])
 
 
-def _candidates(everyone: list[list[Any]], world: int) -> list[tuple[Key, int]]:
-    """Each snapshot with its holder (the lowest rank that lists it), best first."""
-    holders: dict[Key, int] = {}
-    info: dict[Key, tuple[list[int], int]] = {}
-    for rank, listing in enumerate(everyone):
-        for which, writers, old_world in listing:
-            holders.setdefault(which, rank)
-            info[which] = (writers, old_world)
+def _listing(job: Job, folder: Folder, key: bytes, phase: int, disk: Disk | None) -> list[Listed]:
+    """This node's snapshots of fit ``phase`` (on its first rank), and on rank 0 the disk
+    folder's too (those without node 0's data only lend their own parts)."""
+    out = []
+    if job.local_rank == 0:
+        out = [_entry(s, False, True) for s in scan(folder, key) if s.phase == phase]
+    if disk is not None and job.rank == 0:
+        whole, every = disk.snapshots(key)
+        out += [_entry(s, True, s in whole) for s in every if s.phase == phase]
+    return out
+
+
+Candidate = tuple[Key, bool]  # a snapshot's key, and whether it is read from the disk
+
+
+def _candidates(everyone: list[list[Listed]], world: int) -> list[tuple[Candidate, int]]:
+    """Each loadable snapshot with its holder (the lowest rank that lists it), best first:
+    whole (every old rank's own part there, at an unchanged world size), newest, a node's
+    before the disk's."""
+    holders: dict[Candidate, int] = {}
+    info: dict[Key, int] = {}  # key -> old world size
     covered: dict[tuple[int, bool], set[int]] = {}  # (step, finished) -> old ranks' own parts
-    for (step, finished, _, _), (writers, _) in info.items():
-        covered.setdefault((step, finished), set()).update(writers)
+    for rank, listing in enumerate(everyone):
+        for which, on_disk, loadable, writers, old_world in listing:
+            if loadable:
+                holders.setdefault((which, on_disk), rank)
+            info[which] = old_world
+            covered.setdefault(which[:2], set()).update(writers)
 
-    def rank_of(which: Key) -> tuple[bool, int, bool, int, int]:
-        step, finished, attempt, node = which
-        old_world = info[which][1]
+    def rank_of(candidate: Candidate) -> tuple[bool, int, bool, bool, int, int]:
+        (step, finished, attempt, node), on_disk = candidate
+        old_world = info[candidate[0]]
         whole = covered[(step, finished)] >= set(range(old_world)) and old_world == world
-        return (whole, step, finished, attempt, -node)
+        return (whole, step, finished, not on_disk, attempt, -node)
 
-    return [(which, holders[which]) for which in sorted(holders, key=rank_of, reverse=True)]
+    return [(c, holders[c]) for c in sorted(holders, key=rank_of, reverse=True)]
 
 
 def restore(
-    job: Job, folder: Folder, key: bytes, group: dist.ProcessGroup | None = None, phase: int = 0
+    job: Job,
+    folder: Folder,
+    key: bytes,
+    group: dist.ProcessGroup | None = None,
+    phase: int = 0,
+    disk: Disk | None = None,
 ) -> Restored | None:
     """Find, agree on and load the newest readable snapshot of fit ``phase`` of this job in
-    its checked ``folder``, whose metas check with ``key`` (a collective)."""
+    its checked ``folder`` or the ``disk`` folder, whose metas check with ``key`` (a
+    collective)."""
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, _listing(job, folder, key, phase), group=group)
-    for which, holder in _candidates(everyone, world):
+    dist.all_gather_object(everyone, _listing(job, folder, key, phase, disk), group=group)
+    for (which, on_disk), holder in _candidates(everyone, world):
         step, finished, attempt, node = which
         status: list[Any] = [None]
         found: Snapshot | None = None
+        source = disk.open() if on_disk and disk is not None else folder
         if me == holder:
             found = next(
-                (s for s in scan(folder, key) if s.key == which and s.phase == phase), None
+                (s for s in scan(source, key) if s.key == which and s.phase == phase), None
             )
             try:
                 if found is None:
                     raise CorruptSnapshot("it went away")
-                state, owns = read(folder, found)
+                state, owns = read(source, found)
                 status = [("ok", found.metas[0]["world_size"])]
             except Exception as e:
                 state, owns = None, {}
@@ -144,7 +163,10 @@ def restore(
         old_world = status[0][1]
         state = broadcast_checkpoint(state if me == holder else None, group=group, src=holder)
         mine = owns if me == holder else {}
-        own = _gather_owns(job, folder, key, (phase, step, finished), old_world, mine, group)
+        folders = [folder] if job.local_rank == 0 else []
+        if disk is not None and job.rank == 0:
+            folders.append(disk.open())
+        own = _gather_owns(job, folders, key, (phase, step, finished), old_world, mine, group)
         if me == holder and found is not None:
             log.info(
                 "bucketddp: resuming from the snapshot of step %d (attempt %d, node %d)",
@@ -153,6 +175,8 @@ def restore(
                 node,
             )
         where = f"step {step}, attempt {attempt}, node {node}"
+        if on_disk:
+            where = f"step {step}, from the disk folder {source.path}"
         if finished:
             where = f"the end of the fit at {where}"
         return Restored(state, step, own, old_world, where, finished)
@@ -161,7 +185,7 @@ def restore(
 
 def _gather_owns(
     job: Job,
-    folder: Folder,
+    folders: list[Folder],
     key: bytes,
     which: tuple[int, int, bool],
     old_world: int,
@@ -169,8 +193,9 @@ def _gather_owns(
     group: dist.ProcessGroup | None,
 ) -> Any:
     """This rank's own part from the snapshots ``which`` (phase, step, finished) of all
-    nodes, if the world size is unchanged; else None."""
-    if job.local_rank == 0:
+    nodes (in ``folders``: this node's, and the disk's on rank 0), if the world size is
+    unchanged; else None."""
+    for folder in folders:
         for s in scan(folder, key):
             if (s.phase, s.step, s.finished) == which:
                 owns.update({m["rank"]: m["own"] for m in s.metas.values()})

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -128,6 +129,11 @@ class BucketDDP(TrainerStrategyHooks, DDPStrategy):
             and, after torchrun restarts the workers, resume from the newest snapshot on
             any node, at the same world size or another (``docs/elastic.md``).
         snapshot_every: with ``elastic``, take a snapshot every this many optimizer steps.
+        preempt_dir: with ``elastic``, a folder on disk (reachable from every node that may
+            run the job) that a stop on a signal copies its snapshot to: the job, started
+            again anywhere (a SLURM requeue), resumes from it. If None,
+            ``BUCKETDDP_PREEMPT_DIR``; else, under SLURM's srun with Lightning's
+            auto-requeue, ``<default_root_dir>/bucketddp-preempt-<job id>``; else none.
         accelerator: as for Lightning's ``DDPStrategy`` (the Trainer's when None).
         parallel_devices: as for ``DDPStrategy``: this node's devices (the Trainer's ``devices``).
         cluster_environment: as for ``DDPStrategy``: where rank and world size come from.
@@ -186,10 +192,11 @@ class BucketDDP(TrainerStrategyHooks, DDPStrategy):
         # Elastic training under torchrun (docs/elastic.md).
         elastic: bool = False,
         snapshot_every: int = 1,
+        preempt_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         options = StrategyOptions.from_arguments(locals(), UNUSED_HINT)
         every = options.snapshot_every
-        self._elastic = TrainerElastic(every) if every is not None else None
+        self._elastic = TrainerElastic(every, preempt_dir) if every is not None else None
         self._checkpoint_source = check_source(checkpoint_source)
         self._engine_options = options.engine
         self._comm_hook = options.comm_hook

@@ -26,7 +26,12 @@ to the Trainer, through the strategy's hooks and one callback:
   the same step, with a snapshot of it. Lightning's own SIGTERM handler is replaced for the
   fit: in Lightning 2.6 it broadcasts inside the handler, on the signalled rank alone, and
   hangs the job (Lightning issues #20806, #20825). Lightning registers its handlers just
-  before its first ``strategy.barrier("run-stage")``; ``listen`` takes them over there.
+  before its first ``strategy.barrier("run-stage")``; ``listen`` takes them over there;
+- under SLURM's srun, Lightning's auto-requeue (``SLURMEnvironment(auto_requeue=True)``)
+  is done here instead of by its handler: its requeue signal is a stop signal, the stop's
+  snapshot goes to the disk folder (``preempt_dir``, by default one in
+  ``default_root_dir``), and rank 0 runs ``scontrol requeue`` once every rank's copy is
+  written (``bucketddp.elastic.slurm``). The requeued job resumes from the disk.
 
 Like ``trainer.py``, it imports Lightning. A snapshot holds what ``trainer.save_checkpoint``
 would save, made without its barrier (``internals.dump_checkpoint``).
@@ -34,19 +39,24 @@ would save, made without its barrier (``internals.dump_checkpoint``).
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 
 from ..elastic import rng, room
-from ..elastic.job import NOT_UNDER_TORCHRUN, under_torchrun
+from ..elastic.disk import ENV as PREEMPT_ENV
+from ..elastic.job import NOT_UNDER_TORCHRUN, slurm_job_id, under_slurm
 from ..elastic.loop import hook_parts, load_own_buffers, own_buffers, restore_hook
 from ..elastic.resume import Restored
 from ..elastic.sampler import ElasticSampler
-from ..elastic.session import Session
+from ..elastic.session import Session, open_session
 from ..notice import NOTICE
 from ..parallel import BucketDataParallel
 from .internals import dump_checkpoint
@@ -87,8 +97,9 @@ class _FollowingSampler(ElasticSampler):
 class TrainerElastic:
     """What ``BucketDDP(elastic=True)`` keeps between its hooks (see the module docstring)."""
 
-    def __init__(self, every: int) -> None:
+    def __init__(self, every: int, preempt_dir: str | os.PathLike[str] | None = None) -> None:
         self.every = every
+        self.preempt_dir = preempt_dir
         self.session: Session | None = None
         self.restored: Restored | None = None
         self.sampler: _FollowingSampler | None = None
@@ -104,12 +115,12 @@ class TrainerElastic:
         """In the launcher: set up the group and agree on the snapshot to resume from."""
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if not under_torchrun():
+        if self.session is None:
+            self.session = self._open(strategy.cluster_environment, trainer.default_root_dir)
+        if self.session is None:
             rank_zero_warn(NOT_UNDER_TORCHRUN)
             return
         strategy.setup_environment()  # the group now; Lightning's setup finds it made
-        if self.session is None:
-            self.session = Session(self.every)
         if not any(isinstance(c, _Snapshots) for c in trainer.callbacks):
             trainer.callbacks.append(_Snapshots(self))
         # Before optimizers exist: the module, and two tensors per parameter for them.
@@ -130,6 +141,20 @@ class TrainerElastic:
         else:
             rank_zero_info(f"bucketddp: resuming from this job's snapshot ({self.restored.source})")
             trainer.ckpt_path = TOKEN
+
+    def _open(self, environment: Any, root_dir: str) -> Session | None:
+        """The session, if this run can resume (``open_session``); under srun with
+        Lightning's auto-requeue, rank 0 requeues after a stop, on its requeue signal too."""
+        requeue = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        disk = self.preempt_dir
+        if disk is None and requeue and under_slurm() and not os.environ.get(PREEMPT_ENV):
+            disk = Path(root_dir) / f"bucketddp-preempt-{slurm_job_id()}"
+        session = open_session(self.every, disk=disk, requeue=requeue)
+        if session is not None and requeue:
+            sig = signal.Signals(environment.requeue_signal or signal.SIGUSR1)
+            if sig not in session.signals:
+                session.signals.append(sig)
+        return session
 
     def take_restored(self, trainer: Any) -> dict[str, Any] | None:
         """The agreed snapshot's checkpoint, once (``load_checkpoint``); None if none."""
