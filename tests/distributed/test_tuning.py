@@ -1,4 +1,8 @@
-"""bucket_cap_mb="auto": the tuning steps reduce like torch DDP, and every rank adopts one plan."""
+"""bucket_cap_mb="auto": the tuning steps reduce like torch DDP, and every rank adopts one plan.
+
+The plan, as checkpoints and snapshots keep it (``bucketddp.bucket_plan``), given to a new
+wrapper: it adopts the sizes and the order, and its first step uses the tuned plan.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from bucketddp import BucketDataParallel
+from bucketddp.bucket_plan import adopt_plan, plan_entry
 from bucketddp.reducer.tuning import ROUNDS
 from models import batch, build
 from multirank import run_ranks
@@ -32,11 +37,19 @@ def _train(rank: int, world: int) -> dict[str, Any]:
             worst = max(worst, (a - b).abs().max().item())
     tuner = ours.reducer.tuner
     assert tuner is not None
+    entry = plan_entry(ours)
+    resumed = BucketDataParallel(build("mlp"), bucket_cap_mb="auto")
+    adopted = adopt_plan(resumed, entry)
+    x, y = batch("mlp", STEPS, rank)
+    F.mse_loss(resumed(x), y).backward()
     return {
         "worst": worst,
         "plans": plans,
         "choice": ours.tuned_bucket_sizes,
         "tried": len(tuner.medians),
+        "entry": entry,
+        "adopted": adopted,
+        "resumed": ([b.names for b in resumed.bucket_plan], resumed.tuned_bucket_sizes),
     }
 
 
@@ -53,3 +66,7 @@ def test_auto_bucket_sizes_give_torch_ddps_weights_through_tuning() -> None:
         assert all(p == r["plans"][done] for p in r["plans"][done:])
     assert results[0]["choice"] == results[1]["choice"]
     assert results[0]["plans"] == results[1]["plans"]
+    for r in results:
+        assert sorted(r["entry"]) == ["bucket_order", "bucket_sizes"]
+        assert r["adopted"] == (True, True)
+        assert r["resumed"] == (r["plans"][-1], r["choice"])  # no tuning again

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .. import hook_state
+from ..bucket_plan import adopt_plan, plan_entry
 from ..notice import NOTICE
 from ..parallel import BucketDataParallel
 from . import rng, room
@@ -33,19 +34,6 @@ def wrapper_of(value: object) -> BucketDataParallel | None:
             if isinstance(child, BucketDataParallel):
                 return child
     return None
-
-
-def plan_of(wrapper: BucketDataParallel) -> dict[str, Any]:
-    """What a snapshot keeps of a wrapper's bucket plan: learned order, tuned sizes."""
-    return {"order": wrapper.bucket_order, "sizes": wrapper.tuned_bucket_sizes}
-
-
-def adopt_plan(wrapper: BucketDataParallel, plan: dict[str, Any]) -> None:
-    """Give ``wrapper`` the plan ``plan_of`` recorded (a no-op for what it lacks)."""
-    if plan.get("sizes") is not None:
-        wrapper.load_bucket_sizes(*plan["sizes"])
-    if plan.get("order") is not None:
-        wrapper.load_bucket_order(plan["order"])
 
 
 def hook_parts(wrapper: BucketDataParallel) -> tuple[dict[str, Any], Any]:
@@ -220,7 +208,7 @@ class Elastic:
             wrapper = wrapper_of(value)
             if wrapper is not None:
                 wrapper.sync_buffers_to_save()  # as a checkpoint has them
-                saved["plans"][name] = plan_of(wrapper)
+                saved["plans"][name] = plan_entry(wrapper)
                 own["buffers"][name] = own_buffers(wrapper)
                 saved["hooks"][name], own["hooks"][name] = hook_parts(wrapper)
             saved["state"][name] = value.state_dict() if hasattr(value, "state_dict") else value

@@ -1,19 +1,20 @@
 """After a restart: find the newest complete snapshot on any node, agree on it, send it to all.
 
 One collective call (``restore``). The first rank of each node lists the complete snapshots
-in its node's folder; the ranks agree on the newest (at an unchanged world size, the newest
-whose ranks' own parts are all still there, so every rank gets its own RNG state back);
-its holder reads it, checks every share's size and checksum, and sends it with
-``checkpoint.broadcast_checkpoint``. A snapshot that fails the check is never loaded: the
-ranks go on to the next newest, and return None when there is none. Only metas that check
-with the job's key count (``files.py``): the pickled parts are never read from any other.
+in its node's folder (reading its metas once per restore); the ranks agree on the newest
+(at an unchanged world size, the newest whose ranks' own parts are all still there, so
+every rank gets its own RNG state back); its holder reads it, checks every share's size
+and checksum, and sends it with ``checkpoint.broadcast_checkpoint``. A snapshot that fails
+the check is never loaded: the ranks go on to the next newest, and return None when there
+is none. Only metas that check with the job's key count (``files.py``): the pickled parts
+are never read from any other.
 """
 
 from __future__ import annotations
 
 import io
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ class Restored:
     world_size: int  # the world size the snapshot was taken at
     source: str  # where it came from, for the log
     finished: bool = False  # the state at the fit's end: no training step is left
+    scanned: list[Snapshot] = field(default_factory=list, repr=False)  # this node's, if listed
 
 
 def read(folder: Folder, snapshot: Snapshot) -> tuple[Any, dict[int, bytes]]:
@@ -82,16 +84,37 @@ def _entry(s: Snapshot, on_disk: bool, loadable: bool) -> Listed:
     return (s.key, on_disk, loadable, writers, s.metas[0]["world_size"])
 
 
-def _listing(job: Job, folder: Folder, key: bytes, phase: int, disk: Disk | None) -> list[Listed]:
-    """This node's snapshots of fit ``phase`` (on its first rank), and on rank 0 the disk
-    folder's too (those without node 0's data only lend their own parts)."""
-    out = []
-    if job.local_rank == 0:
-        out = [_entry(s, False, True) for s in scan(folder, key) if s.phase == phase]
-    if disk is not None and job.rank == 0:
-        whole, every = disk.snapshots(key)
-        out += [_entry(s, True, s in whole) for s in every if s.phase == phase]
-    return out
+@dataclass
+class _Scanned:
+    """What this rank read of the folders once, at the start of a restore: its node's
+    snapshots (on the node's first rank) and the disk folder's (on rank 0), those with
+    node 0's data among them."""
+
+    here: list[Snapshot]
+    disk: list[Snapshot]
+    disk_whole: list[Snapshot]
+
+    @classmethod
+    def read(cls, job: Job, folder: Folder, key: bytes, disk: Disk | None) -> _Scanned:
+        """Scan this rank's folders (see the class docstring)."""
+        here = scan(folder, key) if job.local_rank == 0 else []
+        whole, every = disk.snapshots(key) if disk is not None and job.rank == 0 else ([], [])
+        return cls(here, every, whole)
+
+    def listing(self, phase: int) -> list[Listed]:
+        """The snapshots of fit ``phase`` (the disk's without node 0's data only lend their
+        own parts)."""
+        out = [_entry(s, False, True) for s in self.here if s.phase == phase]
+        return out + [_entry(s, True, s in self.disk_whole) for s in self.disk if s.phase == phase]
+
+    def owns(self, which: tuple[int, int, bool]) -> dict[int, bytes]:
+        """The own parts of the ranks in the snapshots ``which`` (phase, step, finished)."""
+        return {
+            m["rank"]: m["own"]
+            for s in self.here + self.disk
+            if (s.phase, s.step, s.finished) == which
+            for m in s.metas.values()
+        }
 
 
 Candidate = tuple[Key, bool]  # a snapshot's key, and whether it is read from the disk
@@ -133,17 +156,17 @@ def restore(
     collective)."""
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
+    scanned = _Scanned.read(job, folder, key, disk)
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, _listing(job, folder, key, phase, disk), group=group)
+    dist.all_gather_object(everyone, scanned.listing(phase), group=group)
     for (which, on_disk), holder in _candidates(everyone, world):
         step, finished, attempt, node = which
         status: list[Any] = [None]
         found: Snapshot | None = None
         source = disk.open() if on_disk and disk is not None else folder
         if me == holder:
-            found = next(
-                (s for s in scan(source, key) if s.key == which and s.phase == phase), None
-            )
+            listed = scanned.disk if on_disk else scanned.here
+            found = next((s for s in listed if s.key == which and s.phase == phase), None)
             try:
                 if found is None:
                     raise CorruptSnapshot("it went away")
@@ -162,11 +185,8 @@ def restore(
             continue
         old_world = status[0][1]
         state = broadcast_checkpoint(state if me == holder else None, group=group, src=holder)
-        mine = owns if me == holder else {}
-        folders = [folder] if job.local_rank == 0 else []
-        if disk is not None and job.rank == 0:
-            folders.append(disk.open())
-        own = _gather_owns(job, folders, key, (phase, step, finished), old_world, mine, group)
+        mine = {**scanned.owns((phase, step, finished)), **(owns if me == holder else {})}
+        own = _gather_owns(job, old_world, mine, group)
         if me == holder and found is not None:
             log.info(
                 "bucketddp: resuming from the snapshot of step %d (attempt %d, node %d)",
@@ -179,26 +199,15 @@ def restore(
             where = f"step {step}, from the disk folder {source.path}"
         if finished:
             where = f"the end of the fit at {where}"
-        return Restored(state, step, own, old_world, where, finished)
+        return Restored(state, step, own, old_world, where, finished, scanned.here)
     return None
 
 
 def _gather_owns(
-    job: Job,
-    folders: list[Folder],
-    key: bytes,
-    which: tuple[int, int, bool],
-    old_world: int,
-    owns: dict[int, bytes],
-    group: dist.ProcessGroup | None,
+    job: Job, old_world: int, owns: dict[int, bytes], group: dist.ProcessGroup | None
 ) -> Any:
-    """This rank's own part from the snapshots ``which`` (phase, step, finished) of all
-    nodes (in ``folders``: this node's, and the disk's on rank 0), if the world size is
-    unchanged; else None."""
-    for folder in folders:
-        for s in scan(folder, key):
-            if (s.phase, s.step, s.finished) == which:
-                owns.update({m["rank"]: m["own"] for m in s.metas.values()})
+    """This rank's own part, from the own parts ``owns`` each rank found (its node's, and
+    the disk's on rank 0), if the world size is unchanged; else None."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, owns, group=group)
     if old_world != dist.get_world_size(group):
@@ -208,15 +217,22 @@ def _gather_owns(
 
 
 def keep_only(
-    job: Job, folder: Folder, key: bytes, step: int, finished: bool = False, phase: int = 0
+    job: Job,
+    folder: Folder,
+    key: bytes,
+    step: int,
+    finished: bool = False,
+    phase: int = 0,
+    scanned: list[Snapshot] | None = None,
 ) -> None:
     """Remove this node's snapshot files of fit ``phase`` but those of ``step`` (the fit's
-    end, with ``finished``), after resuming from it or finishing there; other fits' stay."""
+    end, with ``finished``), after resuming from it or finishing there; other fits' stay.
+    ``scanned``: the folder's snapshots, if just read."""
     if job.local_rank != 0:
         return
     keep = [
         m["name"]
-        for s in scan(folder, key)
+        for s in (scanned if scanned is not None else scan(folder, key))
         if s.phase != phase or (s.step, s.finished) == (step, finished)
         for m in s.metas.values()
     ]

@@ -281,7 +281,8 @@ class Session:
         folder, key = self._open()
         restored = restore(self.job, folder, key, self.group, self._new_phase(), self.disk)
         if restored is not None:
-            keep_only(self.job, folder, key, restored.step, restored.finished, self.phase)
+            step, finished = restored.step, restored.finished
+            keep_only(self.job, folder, key, step, finished, self.phase, restored.scanned)
             if restored.finished:  # no training step is left: only the exit
                 self.finished = True
                 self._clean_exit.arm()

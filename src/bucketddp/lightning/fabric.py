@@ -10,8 +10,8 @@ What follows from the change lives here too:
 - a communication hook is registered on every accelerator; with post-local SGD the
   parameters are averaged after every ``model_averaging_period`` optimizer steps;
 - ``fabric.save`` syncs buffers by their policies and writes the module without the
-  wrapper, with the learned bucket order under ``checkpoint["bucketddp"]``, which
-  ``fabric.load`` takes back out and adopts;
+  wrapper, with the bucket plan (learned order, tuned sizes) under
+  ``checkpoint["bucketddp"]``, which ``fabric.load`` takes back out and adopts;
 - ``fabric.load`` of a file only rank 0 can see reads it there and sends it to the others
   (``bucketddp.checkpoint``).
 
@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from .._compat import weights_only_kwargs
+from ..bucket_plan import adopt_plan, is_plan_entry, plan_entry
 from ..buffers import Policy
 from ..checkpoint import Source, check_source, load_checkpoint, strip_prefix
 from ..elastic import Elastic
@@ -320,11 +321,12 @@ class BucketFabricDDP(FabricStrategyHooks, DDPStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """Save ``state``, with the learned bucket order under ``checkpoint["bucketddp"]``
-        when it holds one model of this strategy."""
-        order = _one_wrapper(state, lambda w: w.bucket_order)
-        if order is not None and CHECKPOINT_KEY not in state:
-            state = {**state, CHECKPOINT_KEY: {"bucket_order": order}}
+        """Save ``state``, with the bucket plan (learned order, tuned sizes:
+        ``bucketddp.bucket_plan``) under ``checkpoint["bucketddp"]`` when it holds one model
+        of this strategy."""
+        entry = _one_wrapper(state, plan_entry)
+        if entry and CHECKPOINT_KEY not in state:
+            state = {**state, CHECKPOINT_KEY: entry}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     @override
@@ -335,9 +337,9 @@ class BucketFabricDDP(FabricStrategyHooks, DDPStrategy):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """Restore ``state``; a model of this strategy in it adopts the saved bucket order.
+        """Restore ``state``; a model of this strategy in it adopts the saved bucket plan.
 
-        The order entry is taken out of what is returned, so the remainder holds what the
+        The plan entry is taken out of what is returned, so the remainder holds what the
         user saved. A file only rank 0 sees is read there and sent to the other ranks
         (``checkpoint_source``).
         """
@@ -349,13 +351,12 @@ class BucketFabricDDP(FabricStrategyHooks, DDPStrategy):
             )
         finally:
             self.checkpoint_io = io
-        saved = remainder.get(CHECKPOINT_KEY)
-        if not (isinstance(saved, dict) and "bucket_order" in saved):
+        if not is_plan_entry(remainder.get(CHECKPOINT_KEY)):
             return remainder  # no entry of ours (a key of the user's own is left alone)
-        order = remainder.pop(CHECKPOINT_KEY)["bucket_order"]
+        entry = remainder.pop(CHECKPOINT_KEY)
         if isinstance(state, dict):
-            adopted = _one_wrapper(state, lambda w: w.load_bucket_order(order))
-            if adopted is False:
+            adopted = _one_wrapper(state, lambda w: adopt_plan(w, entry))
+            if adopted is not None and "bucket_order" in entry and not adopted[1]:
                 log.debug(
                     "BucketFabricDDP: the checkpoint's bucket order names other parameters "
                     "than the model has; the order is learned again in the first backward"

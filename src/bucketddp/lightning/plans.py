@@ -1,4 +1,5 @@
-"""What a Trainer checkpoint keeps of the wrapper's bucket plan, and how a wrapper adopts it.
+"""The wrapper's bucket plan in a Trainer checkpoint (``bucketddp.bucket_plan``), adopted
+on resume with what was adopted said in Lightning's debug log.
 
 ``BucketDDP`` writes it under ``checkpoint["bucketddp"]`` and adopts it on resume.
 """
@@ -10,29 +11,24 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
+from ..bucket_plan import adopt_plan as adopt
+from ..bucket_plan import plan_entry
 from ..parallel import BucketDataParallel
 
-
-def plan_entry(wrapped: BucketDataParallel) -> dict[str, Any]:
-    """What a checkpoint keeps of the plan: the learned order and tuned bucket sizes."""
-    entry: dict[str, Any] = {}
-    if (order := wrapped.bucket_order) is not None:
-        entry["bucket_order"] = order
-    if (sizes := wrapped.tuned_bucket_sizes) is not None:
-        entry["bucket_sizes"] = list(sizes)
-    return entry
+__all__ = ["adopt_plan", "plan_entry"]
 
 
 def adopt_plan(wrapped: BucketDataParallel, entry: Mapping[str, Any]) -> None:
     """Give ``wrapped`` the checkpoint's tuned bucket sizes and learned order, if any."""
-    if (sizes := entry.get("bucket_sizes")) is not None and wrapped.load_bucket_sizes(*sizes):
-        rank_zero_debug(f"BucketDDP: bucket sizes {sizes} from the checkpoint (no tuning)")
-    if (order := entry.get("bucket_order")) is not None:
-        _adopt_bucket_order(wrapped, order)
+    sized, ordered = adopt(wrapped, entry)
+    if sized:
+        rank_zero_debug(f"BucketDDP: bucket sizes {entry['bucket_sizes']} from the checkpoint")
+    if "bucket_order" in entry:
+        _say_order(ordered)
 
 
-def _adopt_bucket_order(wrapped: BucketDataParallel, order: list[str]) -> None:
-    if wrapped.load_bucket_order(order):
+def _say_order(adopted: bool) -> None:
+    if adopted:
         rank_zero_debug("BucketDDP: restored the learned bucket order from the checkpoint")
     else:
         rank_zero_debug(
