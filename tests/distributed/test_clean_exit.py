@@ -31,7 +31,13 @@ def _run(mode: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     sys.version_info >= (3, 14), reason="from 3.14 CPython blocks such a thread instead"
 )
 def test_torch_alone_aborts_when_a_worker_runs_python_at_exit(tmp_path: Path) -> None:
-    done = _run("none", tmp_path)
+    # The ground truth that the script reaches the hazard. Its shutdown waits for the
+    # worker (an event); up to three runs guard it against a rare miss, seen once under
+    # load when the script still gave the worker a fixed 2 s window.
+    for _ in range(3):
+        done = _run("none", tmp_path)
+        if done.returncode == -signal.SIGABRT:
+            break
     assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-2000:])
     # std::terminate, or CPython's own abort when the thread's state is torn down.
     assert "terminate called" in done.stderr or "Fatal Python error" in done.stderr

@@ -31,6 +31,9 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 tensor = torch.ones(4)
 
 
+finished = [False]  # the callback ran to its end (with bucketddp: before the shutdown)
+
+
 def callback(future: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Tensor]:
     started.touch()
     # Run Python until the interpreter shuts down (torch alone: this thread then dies in
@@ -42,20 +45,24 @@ def callback(future: torch.futures.Future[list[torch.Tensor]]) -> list[torch.Ten
             time.sleep(0.05)
             break
         time.sleep(0.001)
+    finished[0] = True
     return future.value()
 
 
 class _Linger:
-    """Keeps the interpreter's shutdown going for a while after it began (its module is
-    cleared then), so that the worker, woken from its sleep, asks for the GIL while the
-    interpreter is finalizing even on a loaded machine, where it might otherwise not be
-    scheduled before the process is gone (and torch alone would exit 0)."""
+    """Holds the interpreter's shutdown open (its module is cleared then) until the
+    callback has run to its end, with a hang guard. Torch alone: the worker, waking from
+    its sleep while the interpreter finalizes, ends the process by SIGABRT in this window,
+    however long a loaded machine takes to schedule it. With bucketddp, the callback ended
+    before the shutdown began, and this returns at once."""
 
     def __init__(self) -> None:
-        self.sleep = time.sleep
+        self.sleep, self.clock, self.finished = time.sleep, time.monotonic, finished
 
     def __del__(self) -> None:
-        self.sleep(2.0)  # releases the GIL: the worker's wake-up comes in this window
+        deadline = self.clock() + 60.0  # a hang guard
+        while not self.finished[0] and self.clock() < deadline:
+            self.sleep(0.01)  # releases the GIL: the worker's wake-up comes in this window
 
 
 _linger = _Linger()
