@@ -3,7 +3,9 @@
 
 A folder is made ``0700`` and its files ``0600`` whatever the umask; a symlink, a folder
 with group or other bits, and a symlinked file are refused. A meta is read back only with
-the key it was written with, and only whole, with every field.
+the key it was written with, and only whole, with every field. A file copied to another
+folder (a stop's snapshot going to disk) arrives whole, private, and never through a
+symlink.
 """
 
 from __future__ import annotations
@@ -63,6 +65,20 @@ def _payload() -> dict[str, object]:
         "skeleton": b"skeleton",
         "own": b"own",
     }
+
+
+def test_a_copy_arrives_whole_and_private(tmp_path: Path, umask0: None) -> None:
+    shm, disk = Folder.open(tmp_path / "shm"), Folder.open(tmp_path / "disk")
+    data = os.urandom(3 * 1024 * 1024 + 5)
+    shm.write("a0.n0.l0.s1.data", data)
+    disk.copy_in(shm, "a0.n0.l0.s1.data")
+    assert disk.read("a0.n0.l0.s1.data") == data
+    assert disk.names() == ["a0.n0.l0.s1.data"]  # no temporary file left
+    assert (tmp_path / "disk" / "a0.n0.l0.s1.data").stat().st_mode & 0o777 == 0o600
+    os.symlink(tmp_path / "shm" / "a0.n0.l0.s1.data", tmp_path / "shm" / "link")
+    with pytest.raises(OSError):
+        disk.copy_in(shm, "link")
+    assert disk.names() == ["a0.n0.l0.s1.data"]
 
 
 def test_a_meta_reads_back_only_whole_with_its_key() -> None:

@@ -67,8 +67,8 @@ class Disk:
         folder = self.open()
         folder.remove(meta)  # a meta left from an earlier stop must not describe new data
         if job.node == 0:
-            folder.write(data_name(meta), shm.read(data_name(meta)), sync=True)
-        folder.write(meta, shm.read(meta), sync=True)
+            folder.copy_in(shm, data_name(meta))
+        folder.copy_in(shm, meta)
         if job.rank == 0:
             folder.write("key", key.hex().encode("ascii"), sync=True)
 

@@ -21,12 +21,14 @@ import contextlib
 import mmap
 import os
 import pwd
+import shutil
 import stat
 from pathlib import Path
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a planted FIFO never blocks
 OPEN_TRIES = 3
+COPY_CHUNK = 16 << 20  # bytes per read and write of ``Folder.copy_in``
 
 
 class UnsafeFolder(RuntimeError):
@@ -154,6 +156,23 @@ class Folder:
         os.replace(tmp, name, src_dir_fd=self._fd, dst_dir_fd=self._fd)
         if sync:
             os.fsync(self._fd)
+
+    def copy_in(self, source: Folder, name: str) -> None:
+        """Copy file ``name`` of ``source`` here, whole or not at all and synced to disk
+        (as ``write(..., sync=True)``), in chunks: a snapshot's data may be gigabytes."""
+        tmp = f"{name}.{os.getpid()}.tmp"
+        self.remove(tmp)
+        src = source._open_file(name, os.O_RDONLY)
+        try:
+            dst = self._open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            with os.fdopen(dst, "wb") as out, os.fdopen(src, "rb", closefd=False) as inp:
+                shutil.copyfileobj(inp, out, COPY_CHUNK)
+                out.flush()
+                os.fsync(out.fileno())
+        finally:
+            os.close(src)
+        os.replace(tmp, name, src_dir_fd=self._fd, dst_dir_fd=self._fd)
+        os.fsync(self._fd)
 
     def map(self, name: str, nbytes: int, *, create: bool) -> mmap.mmap | None:
         """File ``name`` mapped: with ``create``, made (``0600``) or resized to ``nbytes``
