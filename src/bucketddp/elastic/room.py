@@ -63,23 +63,35 @@ def size_text(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def problem(folder: Folder, need: int) -> str | None:
-    """Why ``folder`` cannot hold two snapshots of ``need`` bytes each, or None: it cannot
-    be written, or its file system has less room free (counting this job's files there)."""
+def unwritable(folder: Folder) -> OSError | None:
+    """Why nothing can be written in ``folder``, or None (a probe file is made and removed)."""
     try:
         folder.write(PROBE, b"")
         folder.remove(PROBE)
     except OSError as e:
+        return e
+    return None
+
+
+def free(folder: Folder) -> int:
+    """The bytes ``folder``'s file system has free, counting this job's files there."""
+    st = os.statvfs(folder.path)
+    return st.f_bavail * st.f_frsize + folder.bytes_held()
+
+
+def problem(folder: Folder, need: int) -> str | None:
+    """Why ``folder`` cannot hold two snapshots of ``need`` bytes each, or None: it cannot
+    be written, or its file system has less room free (counting this job's files there)."""
+    if (e := unwritable(folder)) is not None:
         return (
             f"cannot write in the snapshot folder {folder.path} ({e}): set "
             "BUCKETDDP_SNAPSHOT_DIR to a folder this user can write (default /dev/shm)"
         )
-    st = os.statvfs(folder.path)
-    free = st.f_bavail * st.f_frsize + folder.bytes_held()
-    if need > 0 and free < 2 * need:
+    room = free(folder)
+    if need > 0 and room < 2 * need:
         return (
             f"the snapshot folder {folder.path} (BUCKETDDP_SNAPSHOT_DIR, default /dev/shm) has "
-            f"{size_text(free)} free, and two snapshots of this state need about "
+            f"{size_text(room)} free, and two snapshots of this state need about "
             f"{size_text(2 * need)} on each node: {FIX_ROOM}"
         )
     return None

@@ -257,14 +257,13 @@ class Session:
         assert self.disk is not None
         try:
             folder = self.disk.open()
-            folder.write(room.PROBE, b"")
-            folder.remove(room.PROBE)
         except UnsafeFolder as e:
             return str(e), True
         except OSError as e:
-            return f"cannot write in the disk folder {self.disk.path} ({e}): {DISK_FIX}", False
-        st = os.statvfs(self.disk.path)
-        free = st.f_bavail * st.f_frsize + folder.bytes_held()
+            return f"cannot make the disk folder {self.disk.path} ({e}): {DISK_FIX}", False
+        if (why := room.unwritable(folder)) is not None:
+            return f"cannot write in the disk folder {self.disk.path} ({why}): {DISK_FIX}", False
+        free = room.free(folder)
         if self.job.node == 0 and free < need:
             return (
                 f"the disk folder {self.disk.path} has {room.size_text(free)} free, and a "
