@@ -76,6 +76,7 @@ class Job:
     local_world_size: int
     max_restarts: int | None = None  # the restarts torchrun allows (None: not told)
     slurm: bool = False  # started by srun, not torchrun (``from_slurm``)
+    nodes: int | None = None  # the nodes (torchrun agents) in this round, if told
 
     @property
     def last_attempt(self) -> bool:
@@ -105,6 +106,7 @@ class Job:
             max_restarts=int(env["TORCHELASTIC_MAX_RESTARTS"])
             if "TORCHELASTIC_MAX_RESTARTS" in env
             else None,
+            nodes=int(env["GROUP_WORLD_SIZE"]) if "GROUP_WORLD_SIZE" in env else None,
         )
 
     @classmethod
