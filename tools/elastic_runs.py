@@ -105,6 +105,26 @@ def done_twice(out: Path, rank: int) -> list[int]:
     return sorted(s for s, n in steps.items() if n > 1)
 
 
+def rows_by_epoch(out: Path) -> dict[int, Counter[int]]:
+    """The rows each epoch trained on, from the row logs of every worker process of a job
+    (``OUT/rows.rank<R>.pid<P>``: a line per step, ``global_step epoch rows...``). A process
+    resumed at the step of its first line; a step an earlier process did at or after that
+    point was redone, or lost with it, and is not counted."""
+    logs = [(p, p.read_text().splitlines()) for p in out.glob("rows.rank*.pid*")]
+    starts = sorted({int(lines[0].split()[0]) for _, lines in logs if lines})
+    counted: dict[int, Counter[int]] = {}
+    for _, lines in logs:
+        if not lines:
+            continue
+        start = int(lines[0].split()[0])
+        later = [s for s in starts if s > start]
+        for line in lines:
+            step, epoch, *indices = map(int, line.split())
+            if not later or step < later[0]:
+                counted.setdefault(epoch, Counter()).update(indices)
+    return counted
+
+
 def same_weights(a: Path, b: Path) -> bool:
     """Whether two saved state dicts are bit-equal."""
     x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)

@@ -55,6 +55,7 @@ from elastic_runs import (
     assert_stopped_together,
     assert_trained_once,
     done_twice,
+    rows_by_epoch,
     same_weights,
     standalone,
     start,
@@ -216,16 +217,7 @@ def test_a_lost_node_leaves_the_rest_training_on_every_row_once(tmp_path: Path, 
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert (tmp_path / "done.rank0").read_text().split() == ["world", "1", "seen", "192"]
-    # The rows of every step up to the snapshot resumed from, then of every step after it.
-    first = (tmp_path / "rows.rank0.attempt1").read_text().splitlines()[0]
-    resumed = int(first.split()[0])
-    rows: dict[int, Counter[int]] = {}
-    for log in sorted(tmp_path.glob("rows.rank*.attempt*")):
-        for line in log.read_text().splitlines():
-            step, epoch, *indices = map(int, line.split())
-            if log.name.endswith("attempt0") and step >= resumed:
-                continue
-            rows.setdefault(epoch, Counter()).update(indices)
+    rows = rows_by_epoch(tmp_path)  # each step's rows once: up to the snapshot, then after
     assert sorted(rows) == [0, 1, 2]
     for epoch, count in rows.items():
         assert count == Counter(range(64)), f"epoch {epoch}: rows lost or used twice"

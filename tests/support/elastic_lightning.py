@@ -13,6 +13,13 @@ logger, no checkpoint callback. Mode ``checkpoint`` instead saves a checkpoint a
 ``KILL`` and resumes a new fit from it with ``ckpt_path`` (no kill, no elastic). Under
 ``ELASTIC_POWERSGD=1`` the strategy reduces with torch's ``powerSGD_hook`` (rank 1,
 compressing from step 2), whose state must survive the restart too.
+
+Mode ``nodes`` runs one worker per torchrun agent (node), at whatever world size the round
+has: each process logs the rows it trains on to ``OUT/rows.rank<R>.pid<P>`` and, at the
+end, its world size and ``"sum"`` buffer to ``OUT/done.rank<R>``. The agent's worker named
+by ``ELASTIC_VICTIM=1`` kills itself and its agent when ``KILL`` steps are done; under
+``ELASTIC_GROW_AT=N``, a worker alone in its round stops in step ``N + 1`` until a joining
+agent makes torchrun stop it (``wait_for_a_joiner``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,6 +40,7 @@ from torch.utils.data import DataLoader
 
 from bucketddp import BucketDDP, BucketFabricDDP
 from bucketddp.elastic import ElasticSampler
+from bucketddp.notice import NOTICE
 from elastic_loop import BATCH, EPOCHS, after_fit, attempt_of_job, dataset, notice_due
 
 ATTEMPT = attempt_of_job()
@@ -195,14 +205,17 @@ class Counting(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         victim = os.environ.get("ELASTIC_VICTIM") == "1"
-        if ATTEMPT == 0 and victim and self.trainer.global_step == self.kill:
+        step = self.trainer.global_step
+        if ATTEMPT == 0 and victim and step == self.kill:
             os.kill(os.getppid(), signal.SIGKILL)  # this node's agent, then this worker
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.trainer.world_size == 1 and step == int(os.environ.get("ELASTIC_GROW_AT", -1)):
+            wait_for_a_joiner(self.out)
         index, x, y = batch
         self.seen += len(index)
         rows = " ".join(str(int(i)) for i in index)
-        with open(f"{self.out}/rows.rank{self.global_rank}.attempt{ATTEMPT}", "a") as log:
-            print(f"{self.trainer.global_step} {self.current_epoch} {rows}", file=log)
+        with open(f"{self.out}/rows.rank{self.global_rank}.pid{os.getpid()}", "a") as log:
+            print(f"{step} {self.current_epoch} {rows}", file=log)
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> Any:
@@ -212,6 +225,17 @@ class Counting(pl.LightningModule):
         rows = dataset().tensors
         indexed = torch.utils.data.TensorDataset(torch.arange(len(rows[0])), *rows)
         return DataLoader(indexed, batch_size=BATCH)
+
+
+def wait_for_a_joiner(out: str) -> None:
+    """Say so (``OUT/waiting``), then wait in this step until torchrun's agent, which a new
+    agent has joined, sends its stop signal (a hang guard of 120 s)."""
+    Path(f"{out}/waiting").touch()
+    deadline = time.monotonic() + 120
+    while not NOTICE.pending:
+        if time.monotonic() > deadline:
+            raise RuntimeError("no agent joined within 120 s")
+        time.sleep(0.05)
 
 
 def nodes(out: str, kill: int) -> None:

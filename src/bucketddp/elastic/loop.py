@@ -166,7 +166,7 @@ class Elastic:
             self.sampler.resume(saved["position"], 0)
             self._epoch, self._used = saved["position"].epoch, 0
         own = restored.own
-        if own is not None:  # the same world size: this rank's own generators and buffers
+        if own is not None:  # this rank had a part: its own generators and buffers
             rng.restore(own["rng"])
             for name, values in own["buffers"].items():
                 if (wrapper := wrapper_of(self.state.get(name))) is not None:

@@ -207,13 +207,19 @@ def _gather_owns(
     job: Job, old_world: int, owns: dict[int, bytes], group: dist.ProcessGroup | None
 ) -> Any:
     """This rank's own part, from the own parts ``owns`` each rank found (its node's, and
-    the disk's on rank 0), if the world size is unchanged; else None."""
+    the disk's on rank 0): the part the same rank wrote, if the old world had this rank
+    (else None). At another world size, without its ``"hooks"`` entry: a communication
+    hook's per-rank state (PowerSGD's warm-start memories) must match over the ranks, and
+    starts afresh on every rank."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, owns, group=group)
-    if old_world != dist.get_world_size(group):
-        return None
     mine = next((o[job.rank] for o in everyone if job.rank in o), None)
-    return None if mine is None else torch.load(io.BytesIO(mine), weights_only=False)
+    if mine is None:
+        return None
+    own = torch.load(io.BytesIO(mine), weights_only=False)
+    if old_world != dist.get_world_size(group) and isinstance(own, dict):
+        own.pop("hooks", None)
+    return own
 
 
 def keep_only(

@@ -102,6 +102,11 @@ class ElasticSampler(DistributedSampler):
         # shorter, ends when its samples run out.
         return int(self.num_samples)
 
+    def left(self) -> int:
+        """The samples this rank has to go in a resumed epoch (a whole epoch's share if the
+        epoch is not resumed)."""
+        return len(self._shard())
+
     def position(self, used: int) -> EpochPosition:
         """Where this epoch stands once each rank has used ``used`` samples of it (counted
         from the epoch's start, resumed samples included)."""

@@ -94,6 +94,14 @@ class _FollowingSampler(ElasticSampler):
         self._original.epoch = value
 
 
+def _batches_done(sampler: ElasticSampler, batch_sampler: Any) -> int:
+    """The batches of a resumed epoch behind it at this world size: its whole length less
+    the batches its rows left make."""
+    left, size = sampler.left(), int(batch_sampler.batch_size)
+    to_go = left // size if batch_sampler.drop_last else -(-left // size)
+    return len(batch_sampler) - to_go
+
+
 class TrainerElastic:
     """What ``BucketDDP(elastic=True)`` keeps between its hooks (see the module docstring)."""
 
@@ -110,6 +118,7 @@ class TrainerElastic:
         self._hook: tuple[dict[str, Any], Any] | None = None
         self._last_step = -1
         self._finished = False  # resumed at the end of a finished fit: no step is left
+        self._resized = False  # resumed at another world size; the epoch's count to redo
 
     def before_fit(self, strategy: Any, trainer: Any, user_ckpt_path: Any) -> None:
         """In the launcher: set up the group and agree on the snapshot to resume from."""
@@ -166,6 +175,7 @@ class TrainerElastic:
         if restored.finished:
             trainer.should_stop = True  # with the loops at their end: no training step
         self._position = restored.state.get(ENTRY)
+        self._resized = restored.world_size != trainer.world_size
         if (entry := restored.state.get(HOOK_ENTRY)) is not None:
             self._hook = entry, (restored.own or {}).get("hooks")
         self._resume_sampler()
@@ -175,9 +185,20 @@ class TrainerElastic:
             self._restore_own(None)
         return restored.state
 
-    def _resume_sampler(self) -> None:
-        if self._position is not None and self.sampler is not None:
-            self.sampler.resume(self._position["position"], self._position["used"])
+    def _resume_sampler(self, trainer: Any = None, batch_sampler: Any = None) -> None:
+        if self._position is None or self.sampler is None:
+            return
+        position, used = self._position["position"], self._position["used"]
+        self.sampler.resume(position, used)
+        if self._resized and trainer is not None and batch_sampler is not None:
+            self._resized = False
+            done = _batches_done(self.sampler, batch_sampler)
+            self.sampler.resume(position, done * self.batch_size)
+            # Lightning counted the epoch's batches at the old size; at this one, the epoch
+            # has ``done`` batches behind it, so that it ends when the rows left run out.
+            progress = trainer.fit_loop.epoch_loop.batch_progress.current
+            progress.ready = progress.started = progress.processed = done
+            progress.completed = done - 1  # as saved on a batch's end (Lightning adds 1)
 
     def process_dataloader(self, trainer: Any, dataloader: Any) -> Any:
         """Put an ``ElasticSampler`` in the training loader, in place of Lightning's
@@ -189,7 +210,7 @@ class TrainerElastic:
         self.sampler = _FollowingSampler(original)
         batch_sampler.sampler = self.sampler
         self.batch_size = int(batch_sampler.batch_size)
-        self._resume_sampler()
+        self._resume_sampler(trainer, batch_sampler)
         return dataloader
 
     def before_training_step(self, wrapped: BucketDataParallel | None) -> None:
