@@ -112,3 +112,41 @@ def test_a_writer_behind_keeps_its_last_committed_snapshot(
     finally:
         release.set()
         writer.close()
+
+
+def test_late_tensors_are_copied_behind_and_settle_waits_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The optimizer's tensors (``late``) are copied by the writer's thread, held here: the
+    # step goes on (take returns), what a forward changes was copied at once, and settle()
+    # (before the next optimizer step) returns only once the late copy is done.
+    release = threading.Event()
+    copy = snapshots._copy
+
+    def held_copy(pairs: list[Any]) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            assert release.wait(timeout=30)
+        copy(pairs)
+
+    monkeypatch.setattr(snapshots, "_copy", held_copy)
+    state = _state(1)
+    before = {k: v.detach().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    writer = Writer(Job("run", 0, 0, 0, 1, 0, 1), Folder.open(tmp_path / "snapshots"), KEY)
+    try:
+        writer.take(1, state, late={state["weight"].data_ptr()})
+        state["count"].add_(5)  # a buffer a forward changes: copied already
+        settling = threading.Thread(target=writer.settle)
+        settling.start()
+        settling.join(timeout=0.5)
+        assert settling.is_alive(), "settle() returned before the late copy was done"
+        release.set()
+        settling.join(timeout=30)
+        assert not settling.is_alive()
+        state["weight"].detach().add_(1)  # the optimizer steps: after settle()
+        writer.wait()
+        got, _ = read(writer.folder, scan(writer.folder, KEY)[0])
+        assert torch.equal(got["weight"], before["weight"])
+        assert torch.equal(got["count"], before["count"])
+    finally:
+        release.set()
+        writer.close()

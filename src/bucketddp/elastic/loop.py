@@ -20,6 +20,7 @@ from ..notice import NOTICE
 from ..parallel import BucketDataParallel
 from . import rng, room
 from .job import NOT_UNDER_TORCHRUN
+from .overlap import enabled, late_tensors, optimizers_in, settle_before_steps
 from .sampler import ElasticSampler, EpochPosition
 from .session import Session, open_session
 
@@ -100,6 +101,11 @@ class Elastic:
             anywhere, resumes from it. If None, ``BUCKETDDP_PREEMPT_DIR``, else none.
         requeue: under SLURM's srun, rank 0 runs ``scontrol requeue`` once a stop's
             snapshot is in ``preempt_dir``.
+        overlap: copy the parameters and optimizer states of the optimizers in ``state``
+            while the next step's forward and backward run (their next ``step()`` waits for
+            the copy); False copies everything at ``step()``, for a loop that changes
+            weights outside ``optimizer.step()``. If None, ``BUCKETDDP_SNAPSHOT_OVERLAP``
+            (``0``: off), else on.
 
     Outside torchrun (and SLURM with ``preempt_dir``), nothing would resume the workers:
     it warns once and takes no snapshots (``resume()`` returns False), so the same script
@@ -117,6 +123,7 @@ class Elastic:
         signals: str | None = None,
         preempt_dir: str | os.PathLike[str] | None = None,
         requeue: bool = False,
+        overlap: bool | None = None,
     ) -> None:
         if sampler is not None and (batch_size is None or batch_size < 1):
             raise ValueError(
@@ -126,7 +133,11 @@ class Elastic:
         self.session: Session | None = open_session(
             every, group, signals, preempt_dir, requeue=requeue
         )
+        # The optimizers wait for a snapshot's copy of what they change (``overlap.py``).
+        overlapped = self.session is not None and enabled(overlap)
+        self._optimizers = optimizers_in(state.values()) if overlapped else []
         if self.session is not None:
+            self._settling = settle_before_steps(self._optimizers, self.session.settle)
             self.session.listen()
         else:
             warnings.warn(NOT_UNDER_TORCHRUN, stacklevel=2)
@@ -196,7 +207,8 @@ class Elastic:
             self._agree_on_notice()
         if not self.session.due(self.steps):
             return
-        self.session.take(self.steps, *self._parts(position))
+        late = late_tensors(self._optimizers)
+        self.session.take(self.steps, *self._parts(position), late=late)
         if NOTICE.agreed:
             self.session.stop(self.steps)
 

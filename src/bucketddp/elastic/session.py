@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -200,17 +200,31 @@ class Session:
             self._end_for_good()
         return True
 
-    def take(self, step: int, state: Any, own: Any = None, *, finished: bool = False) -> None:
+    def take(
+        self,
+        step: int,
+        state: Any,
+        own: Any = None,
+        *,
+        finished: bool = False,
+        late: Collection[int] = (),
+    ) -> None:
         """Write this rank's share of the snapshot of ``step`` (the write finishes in the
         background); ``own`` is this rank's own part (RNG states, its own buffers);
-        ``finished`` marks the state at the fit's end (``finish``)."""
+        ``finished`` marks the state at the fit's end (``finish``); ``late``: the tensors
+        (by ``data_ptr()``) whose copy may wait until ``settle`` (``snapshots.Writer``)."""
         if self._writer is None:
             self._writer = Writer(self.job, *self._open())
         self.finished = False
         phase = self.phase or self._new_phase()
-        self._writer.take(step, state, own, phase=phase, finished=finished)
+        self._writer.take(step, state, own, phase=phase, finished=finished, late=late)
         if self._older_attempts_left and self.job.local_rank == 0:
             self._drop_older_attempts()
+
+    def settle(self) -> None:
+        """Wait until the last snapshot's copy is done: call before an optimizer step."""
+        if self._writer is not None:
+            self._writer.settle()
 
     def _drop_older_attempts(self) -> None:
         # Once this attempt has a complete snapshot on this node, the last attempt's are done.

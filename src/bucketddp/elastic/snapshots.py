@@ -10,6 +10,11 @@ that makes it count (``files.py``), off the step's critical path. At most one co
 flight: the next snapshot waits for it before it removes the older slot's meta, so a rank
 killed at any moment holds its last committed snapshot.
 
+The tensors that only an optimizer step changes (the parameters it updates, its state: the
+caller names them, ``late``) are copied by that thread too, overlapping the next step's
+forward and backward; the caller waits for that copy (``settle``) before the optimizer
+steps again. The rest (buffers, which a forward changes) is copied at once.
+
 The deal, and each slot's views of its file (one per tensor, of its dtype and shape), are
 kept from one snapshot to the next while the tensors' shapes and dtypes stay the same:
 then a snapshot is one ``copy_`` per tensor of the share, with no per-tensor slicing.
@@ -22,7 +27,7 @@ import errno
 import io
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +100,12 @@ def to_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for view, t in pairs:
+            view.copy_(t)
+
+
 class Writer:
     """Writes this rank's share of each snapshot into its node's snapshot folder."""
 
@@ -109,6 +120,8 @@ class Writer:
         self._done = [threading.Event(), threading.Event()]
         for event in self._done:
             event.set()
+        self._copied = threading.Event()  # the last snapshot's late tensors are copied
+        self._copied.set()
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="bucketddp-snapshots", daemon=True)
         self._thread.start()
@@ -116,10 +129,20 @@ class Writer:
         self.committed: tuple[int, str] | None = None  # (step, meta) of the last commit
 
     def take(
-        self, step: int, state: Any, own: Any = None, *, phase: int = 0, finished: bool = False
+        self,
+        step: int,
+        state: Any,
+        own: Any = None,
+        *,
+        phase: int = 0,
+        finished: bool = False,
+        late: Collection[int] = (),
     ) -> None:
         """Snapshot ``state`` as of ``step``; ``own`` is this rank's own part (not shared);
-        ``phase`` names the fit, ``finished`` marks the state at its end (``files.py``)."""
+        ``phase`` names the fit, ``finished`` marks the state at its end (``files.py``).
+        The CPU tensors whose ``data_ptr()`` is in ``late`` (what only the optimizers change)
+        are copied by the background thread: the caller must ``settle()`` before they
+        change again."""
         slot = self._slot
         self._slot ^= 1
         # Every earlier commit must be finished before this slot's meta goes: else, with the
@@ -136,9 +159,12 @@ class Writer:
         views = self._views.get(slot)
         if views is None:
             views = self._views[slot] = layout.views(data, me)
-        with torch.no_grad():
-            for view, t in zip(views, layout.mine(tensors, me), strict=True):
-                view.copy_(t)
+        now: list[tuple[torch.Tensor, torch.Tensor]] = []
+        deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for view, t in zip(views, layout.mine(tensors, me), strict=True):
+            later = t.device.type == "cpu" and t.data_ptr() in late
+            (deferred if later else now).append((view, t))
+        _copy(now)
         payload = {
             "format": FORMAT,
             "step": step,
@@ -158,7 +184,9 @@ class Writer:
             "own": to_bytes(own),
         }
         self._done[slot].clear()
-        self._queue.put(lambda: self._commit(slot, meta_name, data, payload))
+        if deferred:
+            self._copied.clear()
+        self._queue.put(lambda: self._commit(slot, meta_name, data, payload, deferred))
 
     def _layout_of(self, metas: list[TensorMeta]) -> Layout:
         """The deal of tensors like ``metas``: the last one's if they are alike."""
@@ -180,8 +208,19 @@ class Writer:
             self._views.pop(slot, None)
         return mapped
 
-    def _commit(self, slot: int, name: str, data: torch.Tensor, payload: dict[str, Any]) -> None:
+    def _commit(
+        self,
+        slot: int,
+        name: str,
+        data: torch.Tensor,
+        payload: dict[str, Any],
+        deferred: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
         try:
+            try:
+                _copy(deferred)
+            finally:
+                self._copied.set()
             payload["checksum"] = checksum(data)
             write_meta(self.folder, name, payload, self.key)
             self.committed = (payload["step"], name)
@@ -194,6 +233,10 @@ class Writer:
                 task()
             except Exception as e:  # a snapshot that cannot be written is not one
                 print(f"bucketddp: a snapshot could not be written: {e!r}", flush=True)
+
+    def settle(self) -> None:
+        """Wait until the last snapshot's tensors are all copied (its ``late`` ones too)."""
+        self._copied.wait()
 
     def wait(self) -> None:
         """Wait until every snapshot taken so far is written."""

@@ -54,6 +54,7 @@ from ..elastic import rng, room
 from ..elastic.disk import ENV as PREEMPT_ENV
 from ..elastic.job import NOT_UNDER_TORCHRUN, slurm_job_id, under_slurm
 from ..elastic.loop import hook_parts, load_own_buffers, own_buffers, restore_hook
+from ..elastic.overlap import enabled, late_tensors
 from ..elastic.resume import Restored
 from ..elastic.sampler import ElasticSampler
 from ..elastic.session import Session, open_session
@@ -250,7 +251,9 @@ class TrainerElastic:
                 session.stop(step)
             return
         self._last_step = step
-        session.take(step, *self._parts(trainer, wrapped, plan))
+        # Copied during the next step (overlap.py), unless BUCKETDDP_SNAPSHOT_OVERLAP=0.
+        late = late_tensors(trainer.optimizers) if enabled() else ()
+        session.take(step, *self._parts(trainer, wrapped, plan), late=late)
         if NOTICE.agreed:
             session.stop(step)
 
@@ -318,6 +321,12 @@ class _Snapshots(Callback):
         wrapped = getattr(strategy, "_wrapped", None)
         if wrapped is not None:
             self.elastic.snapshot(trainer, wrapped, strategy.plan_entry())
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """The last snapshot's copy of the parameters and optimizer states is done before
+        the optimizer changes them (after the step's forward and backward)."""
+        if self.elastic.session is not None:
+            self.elastic.session.settle()
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """The model is wrapped: resumed at a finished fit's end, put back each rank's own
