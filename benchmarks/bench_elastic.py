@@ -4,7 +4,9 @@ the time from a killed rank to the next completed step.
 - **Step time** (the default run): on every benchmark model (``models.py``), 2 ranks (gloo,
   CPU, one thread each) train ``plain`` (``BucketDataParallel``) and the same with an
   ``Elastic`` helper taking a snapshot every 1, 2, 4 and 8 steps (``every1`` ...
-  ``every8``), and ``plain_b``, a second plain one whose ratio to the first is the noise
+  ``every8``), ``sync1``, a snapshot every step copied whole at the step's end (the
+  optimizer's tensors not overlapped with the next step: ``overlap=False``, as before that
+  overlap), and ``plain_b``, a second plain one whose ratio to the first is the noise
   floor. Each system has its own model, optimizer and snapshot folder, and all train in
   one pair of processes, in interleaved rounds whose order changes every round
   (``bench_harness.round_order``). A system's step time in a round is the mean over its
@@ -26,6 +28,8 @@ the time from a killed rank to the next completed step.
 - ``--picture``: draws ``docs/images/elastic-run.png`` from the job that loses a node
   mid-epoch and goes on at world size 1, beside the same job uninterrupted: loss against
   step, the restart and the world size marked.
+- ``--grow``: draws ``docs/images/elastic-grow.png`` the same way from a job that loses a
+  node, and later gains one back (a third agent joins): 2 workers, then 1, then 2.
 
 Usage (``python3 dev.py bench-elastic`` runs this file)::
 
@@ -33,6 +37,7 @@ Usage (``python3 dev.py bench-elastic`` runs this file)::
     python benchmarks/bench_elastic.py --quick       # a smoke run
     python benchmarks/bench_elastic.py --recovery    # only the recovery runs (3 of each)
     python benchmarks/bench_elastic.py --picture     # only the picture
+    python benchmarks/bench_elastic.py --grow        # only the shrink-then-grow picture
     python benchmarks/bench_elastic.py --pool a.json b.json   # earlier runs' rounds together
 """
 
@@ -78,7 +83,8 @@ from models import MODELS
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "elastic.json"
 PICTURE = HERE.parent / "docs" / "images" / "elastic-run.png"
-PLAIN, NULL = "plain", "plain_b"
+GROW_PICTURE = HERE.parent / "docs" / "images" / "elastic-grow.png"
+PLAIN, NULL, SYNC = "plain", "plain_b", "sync1"
 TARGET = 1.05
 """The issue's target: at most 5% over plain."""
 
@@ -94,11 +100,13 @@ class Config:
     null: bool
     batch_size: int | None = None
     device: str = "cpu"  # for bench_harness.make_batches
+    sync: bool = True  # also time SYNC: a snapshot every step, nothing copied during the next
 
     @property
     def systems(self) -> tuple[str, ...]:
         """Every system's name, plain first."""
-        return (PLAIN, *([NULL] if self.null else []), *(f"every{n}" for n in self.every))
+        every = tuple(f"every{n}" for n in self.every)
+        return (PLAIN, *([NULL] if self.null else []), *every, *([SYNC] if self.sync else []))
 
     @property
     def priming(self) -> int:
@@ -168,8 +176,10 @@ def time_snapshots(
         model = BucketDataParallel(spec.build(seed=0))
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         job = None
-        if s.startswith("every"):
-            job = Elastic({"model": model, "optimizer": opt}, every=int(s.removeprefix("every")))
+        if s.startswith("every") or s == SYNC:
+            every = 1 if s == SYNC else int(s.removeprefix("every"))
+            state = {"model": model, "optimizer": opt}
+            job = Elastic(state, every=every, overlap=s != SYNC)
             assert job.session is not None
             # A snapshot folder per system, as if each were a job of its own.
             job.session.job = dataclasses.replace(job.session.job, run_id=f"{run}-{s}")
@@ -262,7 +272,7 @@ def pool(reports: Sequence[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any],
 
     Raises ValueError, naming the file, for a report of other steps, warm-up or systems.
     """
-    keys = ("steps", "warmup", "every", "null")
+    keys = ("steps", "warmup", "every", "null", "sync")
     first_name, first = reports[0]
     pooled: dict[str, dict[str, dict[str, list[float]]]] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -284,7 +294,14 @@ def pool(reports: Sequence[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any],
                 for key in ("round_step_ms", "round_cpu_ms", "snapshot_calls_ms"):
                     mine.setdefault(key, []).extend(f[key])
     c = first["config"]
-    cfg = Config(c["rounds"], c["steps"], c["warmup"], tuple(c["every"]), c["null"])
+    cfg = Config(
+        c["rounds"],
+        c["steps"],
+        c["warmup"],
+        tuple(c["every"]),
+        c["null"],
+        sync=c.get("sync", False),
+    )
     return {m: figures(r, state[m], cfg.every) for m, r in pooled.items()}, cfg
 
 
@@ -356,10 +373,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="untimed steps before them (default 2; quick 1)")
     p.add_argument("--batch-size", type=int, help="per-rank batch size (default: per model)")
     p.add_argument("--no-null", action="store_true", help=f"do not time {NULL}")
+    p.add_argument(
+        "--no-sync", action="store_true", help=f"do not time {SYNC} (every step, no overlap)"
+    )
     p.add_argument("--recovery", action="store_true", help="only the recovery runs")
     p.add_argument("--recovery-runs", type=int, default=3)
     p.add_argument("--picture", action="store_true", help=f"only draw {PICTURE.name}")
-    p.add_argument("--image", type=Path, default=PICTURE)
+    p.add_argument(
+        "--grow",
+        action="store_true",
+        help=f"only draw {GROW_PICTURE.name} (a node lost, then one joins)",
+    )
+    p.add_argument(
+        "--image", type=Path, help=f"where to draw (default {PICTURE.name} or {GROW_PICTURE.name})"
+    )
     add_run_options(
         p, DEFAULT_JSON, "pool the rounds of earlier runs' JSON files and print the table"
     )
@@ -382,7 +409,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.pool:
         return pool_main(args.pool)
     cfg = Config(
-        args.rounds, args.steps, args.warmup, tuple(args.every), not args.no_null, args.batch_size
+        args.rounds,
+        args.steps,
+        args.warmup,
+        tuple(args.every),
+        not args.no_null,
+        args.batch_size,
+        sync=not args.no_sync,
     )
     started = time.perf_counter()
     report: dict[str, Any] = {
@@ -397,8 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     results_dir = args.json.parent
     results_dir.mkdir(parents=True, exist_ok=True)
     try:
-        if args.picture:
-            report["picture"] = picture_main(shm_root, results_dir, args.image)
+        if args.picture or args.grow:
+            image = args.image or (GROW_PICTURE if args.grow else PICTURE)
+            report["picture"] = picture_main(shm_root, results_dir, image, grow=args.grow)
         elif args.recovery:
             report["recovery"] = recovery_main(args.recovery_runs, shm_root, results_dir)
             print_recovery(report["recovery"])
@@ -426,10 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{report['meta']['seconds']:.0f}s in all"
     )
     json_path = args.json
-    if args.picture or args.recovery:
-        json_path = json_path.with_name(
-            f"{json_path.stem}-{'picture' if args.picture else 'recovery'}.json"
-        )
+    if args.picture or args.grow or args.recovery:
+        kind = "grow" if args.grow else "picture" if args.picture else "recovery"
+        json_path = json_path.with_name(f"{json_path.stem}-{kind}.json")
     json_path.write_text(json.dumps(report, indent=1))
     print(f"wrote {json_path}")
     return 0

@@ -9,7 +9,9 @@ three scenarios:
 - ``node``: two agents of one worker each (``--nnodes=1:2``, c10d rendezvous on
   localhost); one worker SIGKILLs its agent and itself, so that node is lost, and the
   other agent's worker fails, is restarted, and goes on alone at world size 1;
-- ``node_quick``: the same, with agents that drop a silent agent after 3 s, not 15.
+- ``node_quick``: the same, with agents that drop a silent agent after 3 s, not 15;
+- ``grow``: the ``node`` job, and once the survivor has done ``GROW_AT`` steps alone, a
+  third agent joins: the workers go on at world size 2 (``--grow``'s picture).
 
 The recovery time runs from the kill (the victim logs the time just before) to the first
 step the restarted workers complete, split at the milestones ``elastic_job.py`` logs,
@@ -19,10 +21,12 @@ each the slowest worker's. ``draw`` makes ``docs/images/elastic-run.png`` from a
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,9 @@ RECOVERY_KILL = 12
 """The recovery jobs' victim dies once 12 of their 24 steps are done."""
 PICTURE_KILL = 80
 """The picture's victim dies once 80 steps are done: mid-way through the second epoch."""
+GROW_AT = 140
+"""In the ``grow`` picture, a node joins once 140 steps are done: the third epoch, at world
+size 1 since step 80."""
 SCENARIOS = {
     "rank": "a rank killed: one agent, 2 workers",
     "node": "a node lost: two agents of 1 worker, one killed with its worker",
@@ -86,7 +93,11 @@ def run_job(scenario: str, mode: str, out: Path, shm: Path, timeout: float = 600
     kill = str(RECOVERY_KILL if mode == "recovery" else PICTURE_KILL)
     job = [str(JOB), mode, str(out), kill]
     env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm)}
-    if scenario.startswith("node"):
+    if scenario == "grow":
+        codes = _grow(job, out, env)
+        ok = codes == [0, -signal.SIGKILL, 0]
+        logs = [out / "agent-survivor.log"]
+    elif scenario.startswith("node"):
         port = free_port()
         conf = f",{QUICK_KEEP_ALIVE}" if scenario == "node_quick" else ""
         logs = [out / "agent-survivor.log", out / "agent-victim.log"]
@@ -105,6 +116,28 @@ def run_job(scenario: str, mode: str, out: Path, shm: Path, timeout: float = 600
         ok = codes == [0]
     if not ok:
         raise RuntimeError(f"the {scenario} job exited {codes}; see {logs[0]}")
+
+
+def _grow(job: list[str], out: Path, env: dict[str, str], timeout: float = 600) -> list[int]:
+    """The ``grow`` scenario: two agents, one lost at ``PICTURE_KILL`` with its worker; when
+    the other's worker, alone, has done ``GROW_AT`` steps, a third agent joins. The agents
+    share no store with their workers (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``), without
+    which torchrun's join deadlocks. Each agent's exit code."""
+    port = free_port()
+    env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    logs = [out / f"agent-{name}.log" for name in ("survivor", "victim", "joiner")]
+    procs = [
+        start([*agent(port, host=True), *job], logs[0], {**env, "ELASTIC_GROW_AT": str(GROW_AT)}),
+        start([*agent(port, host=False), *job], logs[1], {**env, "ELASTIC_VICTIM": "node"}),
+    ]
+    deadline = time.monotonic() + timeout
+    while not (out / "waiting").exists():
+        if procs[0].poll() is not None or time.monotonic() > deadline:
+            _wait(procs, logs[:2], 0.1)
+            raise RuntimeError(f"the survivor never waited for a joiner; see {logs[0]}")
+        time.sleep(0.1)
+    procs.append(start([*agent(port, host=False), *job], logs[2], env))
+    return _wait(procs, logs, timeout)
 
 
 def events(out: Path) -> dict[int, dict[int, dict[str, Any]]]:
@@ -180,17 +213,19 @@ def print_recovery(report: dict[str, Any]) -> None:
         print(f"steps done twice, per run: {redone}")
 
 
-def picture_main(shm_root: Path, results: Path, image: Path) -> dict[str, Any]:
-    """``--picture``: the picture model's job uninterrupted, then losing a node; draws both."""
+def picture_main(shm_root: Path, results: Path, image: Path, grow: bool = False) -> dict[str, Any]:
+    """``--picture`` (``--grow``): the picture model's job uninterrupted, then losing a node
+    (and, with ``grow``, gaining one back); draws both."""
     figures: dict[str, Any] = {}
-    for scenario in ("straight", "node"):
-        out = results / f"picture-{scenario}"
-        run_job(scenario, "picture", out, shm_root / out.name)
+    scenario = "grow" if grow else "node"
+    for name in ("straight", scenario):
+        out = results / f"picture-{name}"
+        run_job(name, "picture", out, shm_root / out.name)
         log = events(out)
-        figures[scenario] = losses(log)
-        if scenario == "node":
-            figures[scenario]["recovery"] = recovery_split(log)
-    draw(figures, image)
+        figures[name] = losses(log)
+        if name == "node":
+            figures[name]["recovery"] = recovery_split(log)
+    draw(figures, scenario, image)
     return figures
 
 
@@ -208,8 +243,9 @@ def losses(log: dict[int, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     return {"steps": rows, "restarts": restarts}
 
 
-def draw(figures: dict[str, Any], image: Path) -> None:
-    """Loss against step for both jobs, the restart as a vertical line; workers below."""
+def draw(figures: dict[str, Any], scenario: str, image: Path) -> None:
+    """Loss against step for both jobs, each change of world size as a vertical line;
+    workers below."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,32 +254,52 @@ def draw(figures: dict[str, Any], image: Path) -> None:
     fig, (ax, ws) = plt.subplots(
         2, 1, figsize=(8, 4.6), sharex=True, gridspec_kw={"height_ratios": [4, 1]}
     )
-    lost_at = figures["node"]["restarts"][0]
-    styles = {  # the uninterrupted job on top: until the loss, both are the same
-        "node": (f"a node lost after step {lost_at}, the other goes on alone", "tab:blue", 1),
+    rows = figures[scenario]["steps"]
+    changes = [(b[0] - 1, b[1]) for a, b in itertools.pairwise(rows) if a[1] != b[1]]
+    what = " and".join(
+        f" {'regained' if world > 1 else 'lost'} after step {step}" for step, world in changes
+    )
+    styles = {  # the uninterrupted job on top: until the change, both are the same
+        scenario: (f"a node{what}", "tab:blue", 1),
         "straight": ("uninterrupted, 2 workers", "0.35", 2),
     }
     for key, (label, color, z) in styles.items():
-        rows = figures[key]["steps"]
-        steps = [r[0] for r in rows]
-        ax.plot(steps, [r[2] for r in rows], color=color, lw=0.9, label=label, zorder=z)
-        ws.step(steps, [r[1] for r in rows], where="post", color=color, lw=1.5, zorder=z)
-    for a in (ax, ws):
-        a.axvline(lost_at, color="tab:red", ls="--", lw=1)
-    ax.annotate(
-        f"restart: torchrun starts the survivor again,\nwhich resumes from step {lost_at}'s "
-        "snapshot\nat world size 1",
-        (lost_at, 0.62),
-        xycoords=("data", "axes fraction"),
-        xytext=(8, 0),
-        textcoords="offset points",
-        va="center",
-        fontsize=8,
-        color="tab:red",
-    )
+        steps = [r[0] for r in figures[key]["steps"]]
+        ax.plot(
+            steps, [r[2] for r in figures[key]["steps"]], color=color, lw=0.9, label=label, zorder=z
+        )
+        ws.step(
+            steps,
+            [r[1] for r in figures[key]["steps"]],
+            where="post",
+            color=color,
+            lw=1.5,
+            zorder=z,
+        )
+    for i, (step, world) in enumerate(changes):
+        for a in (ax, ws):
+            a.axvline(step, color="tab:red", ls="--", lw=1)
+        text = (
+            f"a node joins: torchrun restarts the workers,\nwhich resume from step {step}'s "
+            "snapshot\nat world size 2"
+            if world > 1
+            else f"restart: torchrun starts the survivor again,\nwhich resumes from step "
+            f"{step}'s snapshot\nat world size 1"
+        )
+        ax.annotate(
+            text,
+            (step, 0.62 - 0.2 * i),
+            xycoords=("data", "axes fraction"),
+            xytext=(8, 0),
+            textcoords="offset points",
+            va="center",
+            fontsize=8,
+            color="tab:red",
+        )
     ax.set_ylabel("training loss, mean over workers")
     ax.legend(loc="upper right", fontsize=8, frameon=False)
-    ax.set_title("Elastic training under torchrun: a node lost mid-epoch", fontsize=10)
+    title = "a node lost, then one joins" if scenario == "grow" else "a node lost mid-epoch"
+    ax.set_title(f"Elastic training under torchrun: {title}", fontsize=10)
     ws.set_ylabel("workers")
     ws.set_yticks([1, 2])
     ws.set_ylim(0.5, 2.5)

@@ -15,7 +15,9 @@ loss is the mean over ranks), or ``failed`` when a step raises (a peer died), an
 ``exited`` as the interpreter ends (after ``sys.excepthook``, when it raised). In attempt
 0 the victim logs ``kill`` once ``KILL`` steps are done and then SIGKILLs itself: with
 ``ELASTIC_VICTIM=rank1``, rank 1; with ``ELASTIC_VICTIM=node`` (given to one agent of
-several), that agent's worker, which kills its agent first: the node is lost.
+several), that agent's worker, which kills its agent first: the node is lost. Under
+``ELASTIC_GROW_AT=N``, a worker alone at world size 1 logs ``waiting`` when N steps are
+done and waits for an agent to join (``wait_for_a_joiner``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from bucketddp import BucketDataParallel  # noqa: E402
 from bucketddp.elastic import Elastic, ElasticSampler, init_process_group  # noqa: E402
+from bucketddp.notice import NOTICE  # noqa: E402
 from models import MODELS  # noqa: E402  (this directory's: the benchmark models)
 
 IMPORTED = time.time()
@@ -47,6 +50,9 @@ RECOVERY_STEPS = 24
 """Steps of the recovery job at world size 2 (one epoch)."""
 PICTURE_EPOCHS, PICTURE_ROWS = 3, 4096
 """The picture job: 64 steps an epoch at world size 2, 128 at world size 1."""
+GROW_AT = int(os.environ.get("ELASTIC_GROW_AT", "-1"))
+"""Under ``ELASTIC_GROW_AT=N``, a worker alone in its round waits in step N + 1 for a
+joining agent (``wait_for_a_joiner``)."""
 
 
 def process_created() -> float:
@@ -72,6 +78,18 @@ def picture_data() -> tuple[torch.nn.Module, TensorDataset]:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     return net, TensorDataset(x, y)
+
+
+def wait_for_a_joiner(out: Path) -> None:
+    """Say so (``OUT/waiting``), then wait until torchrun's agent, which a new agent has
+    joined, sends its stop signal: this step is the last at world size 1 (a hang guard of
+    300 s)."""
+    (out / "waiting").touch()
+    deadline = time.monotonic() + 300
+    while not NOTICE.pending:
+        if time.monotonic() > deadline:
+            raise RuntimeError("no agent joined within 300 s")
+        time.sleep(0.05)
 
 
 def main(mode: str, out: Path, kill: int) -> None:
@@ -108,6 +126,9 @@ def main(mode: str, out: Path, kill: int) -> None:
         while state["epoch"] < epochs:
             sampler.set_epoch(state["epoch"])
             for x, y in loader:
+                if dist.get_world_size() == 1 and job.steps == GROW_AT:
+                    event("waiting")
+                    wait_for_a_joiner(out)
                 if doomed and job.steps == kill:
                     event("kill")
                     if victim == "node":
