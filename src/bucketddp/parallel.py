@@ -228,7 +228,9 @@ class BucketDataParallel(nn.Module, Joinable):
             PROGRESS.mark(FORWARD)
         self.reducer.before_forward()
         grad_enabled = torch.is_grad_enabled()
-        self._sync_buffers_next = grad_enabled and self.reducer.sync_enabled
+        # Straight into the instance dict: nn.Module.__setattr__ (which sorts parameters,
+        # buffers and submodules) costs more than the rest of this bookkeeping per step.
+        self.__dict__["_sync_buffers_next"] = grad_enabled and self.reducer.sync_enabled
         if grad_enabled:
             refuse_dist_autograd()
             self.reducer.expect_backward()

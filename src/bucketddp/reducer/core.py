@@ -315,10 +315,11 @@ class Reducer(ReducerState):
         buckets = self.buckets
         while self._next < len(buckets) and buckets[self._next].pending == 0:
             bucket = buckets[self._next]
-            if bucket.row is not None:  # the last bucket: what rides on it goes first
+            last = bucket.row is not None
+            if last:  # the last bucket: what rides on it goes first
                 self._before_last()
             bucket.work = self.launcher.launch(self._next, bucket)
-            self.clock.launched(self._next, bucket.work)
+            self.clock.launched(self._next, bucket.work, last=last)
             self._next += 1
 
     # ------------------------------------------------------------- end of backward

@@ -2,7 +2,8 @@
 
 The core stamps ``Bucket.ready_at`` when a bucket's last gradient arrives and tells the
 clock each launch; ``Bucket.wait`` stamps ``waited_at``. Completion comes from a callback
-on the collective's future, run by the backend when it finishes (gloo's thread). Under
+on the collective's future, run by the backend when it finishes (gloo's thread); the last
+bucket's is the end of its wait, which begins as soon as it is launched. Under
 the PyTorch profiler each bucket's collective is also a named range from its launch to its
 completion. Nothing here waits or synchronizes a device.
 
@@ -33,8 +34,13 @@ class StepClock:
         self._last: CommStats | None = CommStats()
         self._kept: tuple[Any, ...] = ()  # what the last step's figures are built from
 
-    def launched(self, k: int, work: Any) -> None:
-        """Bucket ``k``'s collective was just launched; ``work`` is what to wait on."""
+    def launched(self, k: int, work: Any, *, last: bool = False) -> None:
+        """Bucket ``k``'s collective was just launched; ``work`` is what to wait on.
+
+        The ``last`` bucket gets no completion callback: it is launched at the end of the
+        backward and waited for at once, so its wait's end is its completion. A callback
+        would make the backend's thread take the GIL once more per step, for nothing.
+        """
         if k == 0:  # a new step: new lists, as a late completion may still write the old
             n = len(self._launched)
             self._launched = [0.0] * n
@@ -44,11 +50,15 @@ class StepClock:
             self._launched += grow
             self._completed += grow
         self._launched[k] = time.perf_counter()
+        profiling = profiler._is_profiler_enabled
+        if last and not profiling:
+            return
         future = work.get_future() if hasattr(work, "get_future") else work
         if not hasattr(future, "add_done_callback"):
             return
-        future.add_done_callback(functools.partial(self._complete, self._completed, k))
-        if profiler._is_profiler_enabled:
+        if not last:
+            future.add_done_callback(functools.partial(self._complete, self._completed, k))
+        if profiling:
             record = profiler.record_function(f"bucketddp: bucket {k} all-reduce")
             record.__enter__()
             record._call_end_callbacks_on_future(future)
@@ -117,7 +127,7 @@ class StepClock:
 class NoClock(StepClock):
     """``telemetry=False``: the step totals only, no per-bucket times."""
 
-    def launched(self, k: int, work: Any) -> None:
+    def launched(self, k: int, work: Any, *, last: bool = False) -> None:
         """Nothing to record."""
 
     def finish(self, plan: Sequence[Bucket], /, **figures: Any) -> None:
