@@ -50,6 +50,43 @@ CALLER_ONLY = {
 module. (Looked up where already imported: a program holding one has imported its module.)"""
 
 
+AVERAGING: dict[str, dict[str, torch.dtype | None]] = {
+    _TORCH_HOOKS + "default_hooks": {
+        "allreduce_hook": None,
+        "fp16_compress_hook": torch.float16,
+        "bf16_compress_hook": torch.bfloat16,
+    },
+}
+"""torch's hooks that average the whole buffer elementwise over their group, by module, with
+the dtype they average in (None: the buffer's own)."""
+
+
+def averaging_wire(hook: CommHook, buffer_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype in which ``hook`` averages a ``buffer_dtype`` buffer elementwise over its
+    group, if it is one of the hooks in ``AVERAGING``; None for any other hook."""
+    for module, hooks in AVERAGING.items():
+        loaded = sys.modules.get(module)
+        if loaded is None:
+            continue
+        for name, wire in hooks.items():
+            if getattr(loaded, name, None) is hook:
+                return buffer_dtype if wire is None else wire
+    return None
+
+
+def averages_exactly(wire: torch.dtype, world_size: int) -> bool:
+    """Whether ``world_size`` ranks' 0/1 flags, averaged in ``wire`` and multiplied back by
+    ``world_size``, round to their exact sum.
+
+    Each of the ``world_size`` quotients and partial sums rounds by at most half an ulp of a
+    value at most 1, so the sum is off by at most ``world_size * eps``, and by
+    ``world_size**2 * eps`` once multiplied back; below 1/4 it rounds right, with margin.
+    """
+    if not wire.is_floating_point:
+        return False
+    return world_size * world_size * torch.finfo(wire).eps < 0.25
+
+
 def launches_from_callbacks(hook: CommHook) -> bool:
     """Whether ``hook`` may launch collectives from its futures' callbacks (see above).
 

@@ -24,6 +24,8 @@ from ..comm import AsyncSum, all_reduce_kept, on_wire, wait_kept
 from ..comm_hooks import (
     CommHook,
     GradBucket,
+    averages_exactly,
+    averaging_wire,
     call_after,
     hook_result,
     launches_from_callbacks,
@@ -75,40 +77,84 @@ class HookLauncher:
     Each bucket's hook is called as soon as the bucket is full. A hook that launches
     collectives from its futures' callbacks (PowerSGD; see ``comm_hooks.py``) is *ordered*:
     bucket ``k``'s call waits until bucket ``k - 1``'s future is done, so that those
-    collectives keep one order on every rank. The agreement row is all-reduced on its own:
-    right after the last bucket's hook call, or with an ordered hook once every hook's
-    future is done.
+    collectives keep one order on every rank.
+
+    The agreement row rides in the last bucket's buffer when the hook is one of torch's
+    that average the whole buffer elementwise over the wrapper's group (``allreduce_hook``,
+    the fp16 and bf16 compress hooks), and the average, multiplied back by the world size,
+    rounds to the exact sum (``averages_exactly``): one collective fewer per step. Otherwise
+    the row is all-reduced on its own: right after the last bucket's hook call, or with an
+    ordered hook once every hook's future is done.
     """
 
     averages = True
-    extra_collectives = 1
 
-    def __init__(self, group: dist.ProcessGroup | None, state: Any, hook: CommHook) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        state: Any,
+        hook: CommHook,
+        *,
+        world_size: int,
+        row_may_ride: bool,
+    ) -> None:
+        """``row_may_ride``: the hook's group is the wrapper's, and the row holds only flags."""
         self._group = group
         self.state = state
         self.hook = hook
         self.ordered = launches_from_callbacks(hook)
         self._sum = AsyncSum(group)
+        self._world = world_size
+        self._row_may_ride = row_may_ride
+        self._rides_by_dtype: dict[torch.dtype, bool] = {}
+        self.riding = False  # the row rode in the last bucket of the step under way
         # The future of the hook called last in this step: with an ordered hook, the next
         # bucket's call waits for it.
         self._tail: torch.futures.Future[Any] | None = None
         self._row: dist.Work | None = None  # the row's all-reduce, when launched early
 
+    @property
+    def extra_collectives(self) -> int:
+        """Collectives per step besides one per bucket: the row's own, unless it rode."""
+        return 0 if self.riding else 1
+
+    def _rides(self, storage: torch.Tensor) -> bool:
+        """Whether the row rides in a last bucket of ``storage``'s dtype (same on every rank)."""
+        rides = self._rides_by_dtype.get(storage.dtype)
+        if rides is None:
+            wire = averaging_wire(self.hook, storage.dtype)
+            rides = (
+                self._row_may_ride
+                and not storage.is_complex()
+                and wire is not None
+                and averages_exactly(wire, self._world)
+            )
+            self._rides_by_dtype[storage.dtype] = rides
+        return rides
+
     def launch(self, k: int, bucket: Bucket) -> torch.futures.Future[Any]:
         """Call the hook on bucket ``k`` (with an ordered hook, once bucket ``k - 1``'s
         future is done)."""
-        future = self._call(k, bucket.grads, bucket.params, bucket.row is not None)
-        if bucket.row is not None:
+        if bucket.row is None:
+            return self._call(k, bucket.grads, bucket.params, False)
+        self.riding = self._rides(bucket.storage)
+        buffer = bucket.storage if self.riding else bucket.grads
+        future = self._call(k, buffer, bucket.params, True)
+        if not self.riding:
             self._launch_row(bucket.row)
         return future
 
+    def _sums_back(self, row: torch.Tensor) -> None:
+        """A row that rode holds the ranks' average: make it their sum."""
+        row.mul_(self._world).round_()
+
     def _call(
-        self, k: int, grads: torch.Tensor, params: list[torch.Tensor], last: bool
+        self, k: int, buffer: torch.Tensor, params: list[torch.Tensor], last: bool
     ) -> torch.futures.Future[Any]:
         # Views of its own for the hook's GradBucket, made if it asks: one it keeps must not
         # hold the slots' views, which would look like a .grad kept by the user.
-        views = functools.partial(slot_views, grads, params)
-        bucket = GradBucket(k, grads, views, params, last)  # type: ignore[arg-type]
+        views = functools.partial(slot_views, buffer, params)
+        bucket = GradBucket(k, buffer, views, params, last)  # type: ignore[arg-type]
         previous = self._tail if self.ordered and k > 0 else None
         if previous is None or previous.done():
             future = run_hook(self.hook, self.state, bucket)
@@ -142,16 +188,23 @@ class HookLauncher:
 
     def wait_all(self, buckets: Sequence[Bucket]) -> None:
         """Wait for every hook's future, copy its result in, and have the row summed."""
+        riding = self.riding
+        last = buckets[-1]
 
         def take_results() -> None:
             for bucket in buckets:
-                reduced = hook_result(bucket.wait(), bucket.grads, self.hook)
-                if reduced.data_ptr() != bucket.grads.data_ptr():
-                    bucket.grads.copy_(reduced.view_as(bucket.grads))
+                buffer = bucket.storage if riding and bucket is last else bucket.grads
+                reduced = hook_result(bucket.wait(), buffer, self.hook)
+                if reduced.data_ptr() != buffer.data_ptr():
+                    buffer.copy_(reduced.view_as(buffer))
 
-        row = buckets[-1].row
+        row = last.row
         assert row is not None
-        self._wait_row(row, take_results)
+        if riding:
+            take_results()
+            self._sums_back(row)
+        else:
+            self._wait_row(row, take_results)
 
     def reduce_copies(
         self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]
@@ -161,19 +214,26 @@ class HookLauncher:
         ``sparse`` is always empty: a hook is refused for sparse gradients.
         """
         grads = [s[: b.grads.numel()] for b, s in zip(buckets, storages, strict=True)]
+        riding = self._rides(storages[-1])
+        if riding:  # the training ranks' last buffer holds the row too
+            grads[-1] = storages[-1]
         last = len(grads) - 1
         futures = [
             self._call(k, g, b.params, k == last)
             for k, (g, b) in enumerate(zip(grads, buckets, strict=True))
         ]
         row = storages[-1][buckets[-1].grads.numel() :]
-        self._launch_row(row)
 
         def check_results() -> None:
             # Checked as on the ranks still training, which raise there too.
             for future, g in zip(futures, grads, strict=True):
                 hook_result(future.wait(), g, self.hook)
 
+        if riding:
+            check_results()
+            self._sums_back(row)
+            return
+        self._launch_row(row)
         self._wait_row(row, check_results)
 
 
@@ -231,4 +291,14 @@ def hook_launcher(r: ReducerState, state: object, hook: CommHook) -> Launcher:
         raise RuntimeError("register_comm_hook cannot be called during a backward pass")
     if r.sparse is not None:
         raise RuntimeError(errors.hook_with_sparse([r.names[i] for i in r.sparse.indices]))
-    return checked(r, HookLauncher(r.process_group, state, hook))
+    world = dist.group.WORLD
+    hook_group = state if state is not None else world
+    same_group = hook_group is (r.process_group if r.process_group is not None else world)
+    launcher = HookLauncher(
+        r.process_group,
+        state,
+        hook,
+        world_size=r.world_size,
+        row_may_ride=same_group and r.finite is None,
+    )
+    return checked(r, launcher)
