@@ -96,9 +96,9 @@ def test_a_bucket_cap_gives_both_engines_the_same_buckets_and_variants_their_opt
 
 
 def test_first_bucket_comm_hook_null_and_malloc_options_reach_the_run(tmp_path: Path) -> None:
-    # One bucket with a hook: one call for the bucket and the flags' own all-reduce. torch
-    # DDP takes the same hook (it would raise on an unknown one), and so does the null
-    # system, a second torch DDP.
+    # One bucket with the fp16 hook: one call for the bucket, with the flags riding in its
+    # buffer (docs/comm-hooks.md), so one collective. torch DDP takes the same hook (it
+    # would raise on an unknown one), and so does the null system, a second torch DDP.
     # The memory pairs run under --malloc-mmap-kb, which every rank must apply.
     extra = ["--first-bucket-mb", "25", "--comm-hook", "fp16", "--null"]
     memory_args = ["--memory-steps", "1", "--memory-repeats", "1", "--malloc-mmap-kb", "64"]
@@ -106,7 +106,7 @@ def test_first_bucket_comm_hook_null_and_malloc_options_reach_the_run(tmp_path: 
     memory = json.loads((tmp_path / "engine.json").read_text())["memory_world_size_2"]
     assert {s["malloc_mmap_kb"] for s in memory["transformer"].values()} == {64}
     assert result["bucketddp_buckets"] == 1
-    assert result["bucketddp_collectives"] == 2
+    assert result["bucketddp_collectives"] == 1
     assert set(result["systems"]) == {"local", "allreduce", "torch_ddp", "bucketddp", "torch_ddp_b"}
     ours, null = result["systems"]["torch_ddp_b"], result["systems"]["torch_ddp"]
     assert result["null_round_ratios"] == [
