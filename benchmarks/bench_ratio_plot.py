@@ -9,6 +9,7 @@ Usage::
 
     .venv/bin/python benchmarks/bench_engine.py --world-size 2 --no-memory
     .venv/bin/python benchmarks/bench_ratio_plot.py benchmarks/results/engine.json
+    .venv/bin/python benchmarks/bench_ratio_plot.py run1.json run2.json run3.json  # pooled
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench_stats import pool_reports
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE.parent / "docs" / "images" / "ratios.png"
 NO_HOOK = "no hook"
@@ -34,11 +37,15 @@ def ratio_rows(section: dict[str, Any]) -> dict[str, dict[str, tuple[float, floa
     """Per model, per hook (``NO_HOOK`` first): (median round ratio, interval low, high)."""
     rows: dict[str, dict[str, tuple[float, float, float]]] = {}
     for model, res in section.items():
-        entries = {NO_HOOK: res} if "round_ratio_ci95" in res else {}
-        entries.update(res.get("hooks", {}))
-        rows[model] = {
-            hook: (e["median_round_ratio"], *e["round_ratio_ci95"]) for hook, e in entries.items()
-        }
+        per: dict[str, tuple[float, float, float]] = {}
+        if "round_ratio_ci95" in res:
+            per[NO_HOOK] = (res["median_round_ratio"], *res["round_ratio_ci95"])
+        for hook, e in res.get("hooks", {}).items():
+            if "ci95" in e:  # pooled (bench_stats.pool_reports)
+                per[hook] = (e["median"], *e["ci95"])
+            else:
+                per[hook] = (e["median_round_ratio"], *e["round_ratio_ci95"])
+        rows[model] = per
     return rows
 
 
@@ -73,16 +80,29 @@ def draw(rows: dict[str, dict[str, tuple[float, float, float]]], path: Path, tit
 def main(argv: Sequence[str] | None = None) -> int:
     """Read the report, draw the picture."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", type=Path, help="a JSON report of bench_engine.py")
+    p.add_argument(
+        "json", type=Path, nargs="+", help="JSON reports of bench_engine.py; several are pooled"
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default: {DEFAULT_OUT}")
     args = p.parse_args(argv)
-    report = json.loads(args.json.read_text())
-    section = report.get("world_size_2")
+    reports = [(str(path), json.loads(path.read_text())) for path in args.json]
+    if len(reports) == 1:
+        section = reports[0][1].get("world_size_2")
+    else:
+        try:
+            section = pool_reports(reports).get("world_size_2")
+        except ValueError as e:
+            print(f"bench_ratio_plot: {e}", file=sys.stderr)
+            return 2
     if not section:
-        print(f"bench_ratio_plot: {args.json} has no world-size-2 section", file=sys.stderr)
+        print("bench_ratio_plot: no world-size-2 section to draw", file=sys.stderr)
         return 2
-    rounds = report["config"]["rounds"]
-    title = f"median of {rounds} interleaved round ratios, 95% intervals; below 1: bucketddp faster"
+    rounds = sum(r["config"]["rounds"] for _, r in reports)
+    runs = f" ({len(reports)} runs pooled)" if len(reports) > 1 else ""
+    title = (
+        f"median of {rounds} interleaved round ratios{runs}, 95% intervals; "
+        "below 1: bucketddp faster"
+    )
     draw(ratio_rows(section), args.out, title)
     print(f"wrote {args.out}")
     return 0

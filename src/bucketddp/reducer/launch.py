@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import AsyncSum, all_reduce_kept, on_wire, wait_kept
+from ..comm import AsyncSum, on_wire, wait_kept
 from ..comm_hooks import (
     CommHook,
     GradBucket,
@@ -84,7 +84,7 @@ class HookLauncher:
     the fp16 and bf16 compress hooks), and the average, multiplied back by the world size,
     rounds to the exact sum (``averages_exactly``): one collective fewer per step. Otherwise
     the row is all-reduced on its own: right after the last bucket's hook call, or with an
-    ordered hook once every hook's future is done.
+    ordered hook as soon as the last bucket's future is done (``_launch_row``).
     """
 
     averages = True
@@ -111,7 +111,8 @@ class HookLauncher:
         # The future of the hook called last in this step: with an ordered hook, the next
         # bucket's call waits for it.
         self._tail: torch.futures.Future[Any] | None = None
-        self._row: dist.Work | None = None  # the row's all-reduce, when launched early
+        # The row's all-reduce (an ordered hook's: a future of it), once launched.
+        self._row: dist.Work | torch.futures.Future[Any] | None = None
 
     @property
     def extra_collectives(self) -> int:
@@ -165,26 +166,38 @@ class HookLauncher:
         return future
 
     def _launch_row(self, row: torch.Tensor) -> None:
-        """After the last hook call: an unordered hook launched all its collectives, and
-        the row's all-reduce goes next on every rank, overlapping the hooks' traffic."""
+        """After the last hook call, the row's all-reduce goes next on every rank, and
+        overlaps the hooks' traffic.
+
+        An unordered hook has launched all its collectives: the row goes now. An ordered
+        one may still launch some from its futures' callbacks; once the last bucket's
+        future is done, so are all of them, and the row is launched from that future's
+        callback (on the backend's thread, as the hook's own are), keeping its place in
+        one order on every rank without waiting for the main thread to notice.
+        """
         if not self.ordered:
             self._row = self._sum(on_wire(row))
+            return
+        tail = self._tail
+        assert tail is not None
+        self._row = call_after(tail, functools.partial(self._row_future, row))
 
-    def _wait_row(self, row: torch.Tensor, check: Callable[[], None]) -> None:
-        """Run ``check`` (the hooks' results), then make sure the row is summed.
+    def _row_future(self, row: torch.Tensor) -> torch.futures.Future[Any]:
+        return self._sum(on_wire(row)).get_future()
 
-        An early row is waited for whatever ``check`` raises: every rank launched it. A
-        late one (ordered hooks) is launched only once ``check`` passed, as on every rank:
-        its sum may make every rank raise, and a rank that raised first must not leave the
-        others waiting in it.
+    def _wait_row(self, check: Callable[[], None]) -> None:
+        """Run ``check`` (the hooks' results), then wait for the row's sum.
+
+        The row is waited for whatever ``check`` raises: every rank launched it.
         """
-        early, self._row = self._row, None
+        launched, self._row = self._row, None
         try:
             check()
         finally:
-            wait_kept(early)
-        if early is None:
-            all_reduce_kept(row, self._group)
+            if isinstance(launched, dist.Work):
+                wait_kept(launched)
+            elif launched is not None:
+                launched.wait()
 
     def wait_all(self, buckets: Sequence[Bucket]) -> None:
         """Wait for every hook's future, copy its result in, and have the row summed."""
@@ -204,7 +217,7 @@ class HookLauncher:
             take_results()
             self._sums_back(row)
         else:
-            self._wait_row(row, take_results)
+            self._wait_row(take_results)
 
     def reduce_copies(
         self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]
@@ -234,7 +247,7 @@ class HookLauncher:
             self._sums_back(row)
             return
         self._launch_row(row)
-        self._wait_row(row, check_results)
+        self._wait_row(check_results)
 
 
 class CheckedLauncher:
