@@ -13,7 +13,7 @@
     python3 dev.py bench-lightning   # Trainer.fit ms/step, BucketDDP against strategy="ddp"
     python3 dev.py bench-syncbn   # SyncBatchNorm's step-time overhead against plain BatchNorm
     python3 dev.py bench-checkpoint   # peak memory of a rank receiving a checkpoint
-    python3 dev.py ratio-plot FILE   # docs/images/ratios.png from a `bench` JSON report
+    python3 dev.py ratio-plot FILE...   # docs/images/ratios.png from `bench` JSON reports (pooled)
     python3 dev.py startup-cost   # what the interpreter-start hook costs every Python program
     python3 dev.py error-exits   # how often a failing 2-rank script ends a rank by a signal
     python3 dev.py fault-matrix   # docs/reliability.md's fault matrix: rank 1 fails at step 5
