@@ -145,9 +145,17 @@ class HookLauncher:
             self._launch_row(bucket.row)
         return future
 
-    def _sums_back(self, row: torch.Tensor) -> None:
-        """A row that rode holds the ranks' average: make it their sum."""
-        row.mul_(self._world).round_()
+    def _finish_row(self, row: torch.Tensor, check: Callable[[], None], riding: bool) -> None:
+        """Run ``check`` (the hooks' results) and leave the ranks' summed row in ``row``.
+
+        A row that rode came back with the hook's results, as the ranks' average: it is
+        multiplied back into their sum. Otherwise its own all-reduce is waited for.
+        """
+        if riding:
+            check()
+            row.mul_(self._world).round_()
+        else:
+            self._wait_row(check)
 
     def _call(
         self, k: int, buffer: torch.Tensor, params: list[torch.Tensor], last: bool
@@ -213,11 +221,7 @@ class HookLauncher:
 
         row = last.row
         assert row is not None
-        if riding:
-            take_results()
-            self._sums_back(row)
-        else:
-            self._wait_row(take_results)
+        self._finish_row(row, take_results, riding)
 
     def reduce_copies(
         self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]
@@ -242,12 +246,9 @@ class HookLauncher:
             for future, g in zip(futures, grads, strict=True):
                 hook_result(future.wait(), g, self.hook)
 
-        if riding:
-            check_results()
-            self._sums_back(row)
-            return
-        self._launch_row(row)
-        self._wait_row(check_results)
+        if not riding:
+            self._launch_row(row)
+        self._finish_row(row, check_results, riding)
 
 
 class CheckedLauncher:
