@@ -76,8 +76,8 @@ from bench_harness import (
 )
 from bench_stats import bootstrap_ci, median, verdict
 from bucketddp import BucketDataParallel
-from bucketddp.checkpoint import split_tensors
 from bucketddp.elastic import Elastic
+from bucketddp.skeleton import split_tensors
 from models import MODELS
 
 HERE = Path(__file__).resolve().parent

@@ -4,9 +4,9 @@
 ``path``; if some rank does not, rank 0 reads the file and ``broadcast_checkpoint`` sends
 its contents, so the other ranks never open it. The contents travel in two parts:
 
-- a *skeleton*: the checkpoint pickled with every dense tensor replaced by its index (a
-  pickle persistent id), so any nesting of dicts, lists and objects comes through; it is
-  small, and goes in one ``broadcast_object_list``;
+- a *skeleton*: the checkpoint pickled with every dense tensor replaced by its index
+  (``skeleton.py``), so any nesting of dicts, lists and objects comes through; it is small,
+  and goes in one ``broadcast_object_list``;
 - the tensors' bytes, as one stream cut into pieces of at most ``chunk_mb``. A piece inside
   one tensor is broadcast straight into (or out of) that tensor; pieces that span several
   tensors, or need a device (NCCL), go through one staging buffer of at most ``chunk_mb``.
@@ -18,18 +18,16 @@ imports Lightning.
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from .comm import global_rank
+from .skeleton import join_tensors, split_tensors
 
 __all__ = [
     "broadcast_checkpoint",
@@ -47,23 +45,6 @@ Source = Literal["auto", "rank0", "local"]
 ``"rank0"`` (rank 0 always reads and sends) or ``"local"`` (each rank reads its own)."""
 
 SOURCES = ("auto", "rank0", "local")
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """What a receiving rank needs to allocate one tensor before its bytes arrive."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    parameter: bool
-    requires_grad: bool
-
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for n in self.shape:
-            numel *= n
-        return numel * self.dtype.itemsize
 
 
 Piece = list[tuple[int, int, int]]
@@ -277,77 +258,6 @@ def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _sendable(obj: object) -> bool:
-    return (
-        type(obj) in (torch.Tensor, torch.nn.Parameter)
-        and isinstance(obj, torch.Tensor)
-        and obj.layout == torch.strided
-        and not obj.is_quantized
-        and obj.device.type != "meta"
-    )
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles an object with each dense tensor replaced by its index in ``tensors``."""
-
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors = tensors
-        self.index: dict[tuple[Any, ...], int] = {}
-
-    def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor) or not _sendable(obj):
-            return None
-        # Views of one storage with the same geometry (tied weights) travel once.
-        key: tuple[Any, ...] = (id(obj),)
-        if obj.numel():
-            storage = obj.untyped_storage().data_ptr()
-            key = (storage, obj.storage_offset(), obj.shape, obj.stride(), obj.dtype, obj.device)
-        if key not in self.index:
-            self.index[key] = len(self.tensors)
-            self.tensors.append(obj)
-        return ("bucketddp.tensor", self.index[key])
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(
-        self, file: io.BytesIO, tensors: list[torch.Tensor], metas: list[TensorMeta]
-    ) -> None:
-        super().__init__(file)
-        self.tensors = tensors
-        self.made: dict[int, torch.Tensor] = {}
-        self.metas = metas
-
-    def persistent_load(self, pid: Any) -> Any:
-        _, index = pid
-        if index not in self.made:
-            t, meta = self.tensors[index], self.metas[index]
-            self.made[index] = torch.nn.Parameter(t, meta.requires_grad) if meta.parameter else t
-        return self.made[index]
-
-
-def split_tensors(obj: Any) -> tuple[bytes, list[torch.Tensor], list[TensorMeta]]:
-    """``obj`` pickled with each dense tensor replaced by its index (the skeleton), the
-    tensors in index order, and what it takes to allocate each."""
-    buffer = io.BytesIO()
-    tensors: list[torch.Tensor] = []
-    _Pickler(buffer, tensors).dump(obj)
-    metas = [
-        TensorMeta(
-            t.dtype, tuple(t.shape), isinstance(t, torch.nn.Parameter), bool(t.requires_grad)
-        )
-        for t in tensors
-    ]
-    return buffer.getvalue(), tensors, metas
-
-
-def join_tensors(skeleton: bytes, tensors: list[torch.Tensor], metas: list[TensorMeta]) -> Any:
-    """The object ``split_tensors`` took apart, its tensors taken from ``tensors``."""
-    for t, m in zip(tensors, metas, strict=True):
-        t.requires_grad_(m.requires_grad and not m.parameter)
-    return _Unpickler(io.BytesIO(skeleton), tensors, metas).load()
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import TensorMeta
+from ..skeleton import TensorMeta
 from .folder import Folder
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,6 @@ are never read from any other.
 
 from __future__ import annotations
 
-import io
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import broadcast_checkpoint, join_tensors
+from ..checkpoint import broadcast_checkpoint
 from ..comm import global_rank
+from ..skeleton import from_bytes, join_tensors
 from .disk import Disk
 from .files import Snapshot, checksum, data_name, remove_except, scan
 from .folder import Folder
@@ -216,7 +216,7 @@ def _gather_owns(
     mine = next((o[job.rank] for o in everyone if job.rank in o), None)
     if mine is None:
         return None
-    own = torch.load(io.BytesIO(mine), weights_only=False)
+    own = from_bytes(mine)
     if old_world != dist.get_world_size(group) and isinstance(own, dict):
         own.pop("hooks", None)
     return own

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import errno
-import io
 import queue
 import threading
 from collections.abc import Callable, Collection
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import TensorMeta, split_tensors
+from ..skeleton import TensorMeta, split_tensors, to_bytes
 from .files import Part, checksum, write_meta
 from .folder import Folder
 from .job import Job
@@ -91,13 +90,6 @@ def map_bytes(folder: Folder, name: str, nbytes: int) -> torch.Tensor:
     if mapped is None:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(mapped, dtype=torch.uint8)
-
-
-def to_bytes(obj: Any) -> bytes:
-    """``obj`` saved with ``torch.save``: a rank's own part (RNG states, ...)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
