@@ -66,6 +66,8 @@ def own_buffers(wrapper: BucketDataParallel) -> dict[str, Any]:
     names = set(sync.rank_local)
     if not sync.combines:
         names |= {n for n, p in sync.policies.items() if p == "broadcast"}
+    if not names:  # most models: no walk over the modules
+        return {}
     return {n: b.detach().clone() for n, b in wrapper.module.named_buffers() if n in names}
 
 

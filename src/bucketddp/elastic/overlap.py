@@ -47,11 +47,14 @@ def late_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:
     """The ``data_ptr()`` of every parameter ``optimizers`` update and of every tensor of
     their state: what only their steps change."""
     late: set[int] = set()
+    data_ptr = torch.Tensor.data_ptr
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            late.update(p.data_ptr() for p in group["params"])
+            late.update(map(data_ptr, group["params"]))
         for state in optimizer.state.values():
-            late.update(t.data_ptr() for t in state.values() if isinstance(t, torch.Tensor))
+            for t in state.values():
+                if isinstance(t, torch.Tensor):
+                    late.add(t.data_ptr())
     return late
 
 
