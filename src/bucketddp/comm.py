@@ -51,6 +51,21 @@ class AsyncSum:
         return self.group.allreduce([tensor], self._opts)
 
 
+def private_copy(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new process group with the ranks of ``group`` (None: the default group).
+
+    Its collectives keep an order of their own, apart from those on ``group``. Making it is
+    a collective over those ranks: every one of them calls this, at the same point. It
+    lives as long as it is referenced, and ``dist.destroy_process_group()`` ends it with
+    the others.
+    """
+    base = group if group is not None else dist.group.WORLD
+    private = dist.new_group(dist.get_process_group_ranks(base), use_local_synchronization=True)
+    if not isinstance(private, dist.ProcessGroup):  # only a non-member gets none
+        raise RuntimeError("this rank is not a member of the group it copies")
+    return private
+
+
 def on_wire(t: torch.Tensor) -> torch.Tensor:
     """What a reduction sends for ``t``: its real view if complex (as ``dist.all_reduce``)."""
     return torch.view_as_real(t) if t.is_complex() else t

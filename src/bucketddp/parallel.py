@@ -374,8 +374,12 @@ class BucketDataParallel(nn.Module, Joinable):
         The hooks of ``torch.distributed.algorithms.ddp_comm_hooks`` work as they do with
         torch DDP (``allreduce_hook``, ``fp16_compress_hook``, PowerSGD, ...). The hook gets
         the bucket's local gradients, not yet averaged; its future holds the reduced buffer.
-        Once per wrapper, between steps. SyncBatchNorm layers over the wrapper's group move
-        to a private copy of it (``docs/syncbn.md``). See ``docs/comm-hooks.md``.
+        Once per wrapper, between steps, and on every rank at the same point (torch DDP
+        already needs the same hook on every rank): with a hook that launches collectives
+        from its callbacks (PowerSGD), the step's bookkeeping all-reduce gets a private
+        process group with the wrapper's ranks, made here. SyncBatchNorm layers over the
+        wrapper's group move to a private copy of it too (``docs/syncbn.md``). See
+        ``docs/comm-hooks.md``.
         """
         self.reducer.register_comm_hook(state, hook)
         # A hook's callbacks may launch collectives on another thread: SyncBatchNorm's move.

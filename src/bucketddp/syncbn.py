@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from .comm import private_copy
 from .faults.progress import COLLECTIVE, PROGRESS
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
@@ -326,10 +327,9 @@ def separate_group(module: nn.Module, group: dist.ProcessGroup | None) -> int:
         if (m.process_group if m.process_group is not None else world) is base
     ]
     if layers:
-        ranks = dist.get_process_group_ranks(base)
-        private = dist.new_group(ranks, use_local_synchronization=True)
+        private = private_copy(base)
         for m in layers:
-            m.process_group = private
+            m.process_group = private  # type: ignore[assignment]  # nn.Module's attribute typing
     return len(layers)
 
 

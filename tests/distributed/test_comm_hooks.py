@@ -84,6 +84,16 @@ def _hooked(system: Callable[..., nn.Module], hook: str, **opts: Any) -> Callabl
     return wrap
 
 
+def _row_group(wrapped: BucketDataParallel) -> dict[str, Any]:
+    """Where the wrapper's agreement row is all-reduced when it does not ride."""
+    own = wrapped.process_group if wrapped.process_group is not None else dist.group.WORLD
+    row = wrapped.reducer.launcher.row_group  # type: ignore[union-attr]
+    return {
+        "private": row is not own,
+        "same_ranks": dist.get_process_group_ranks(row) == dist.get_process_group_ranks(own),
+    }
+
+
 def _compare(rank: int, world: int, hook: str, tiny: bool) -> dict[str, Any]:
     ours = train("mlp", _hooked(BucketDataParallel, hook, **(TINY if tiny else {})), rank, steps=5)
     theirs = train("mlp", _hooked(DDP, hook), rank, steps=5)
@@ -94,11 +104,16 @@ def _compare(rank: int, world: int, hook: str, tiny: bool) -> dict[str, Any]:
         "plain": plain["params"],
         "buckets": len(ours["wrapped"].bucket_plan),
         "collectives": ours["wrapped"].comm_stats.collectives,
+        "row": _row_group(ours["wrapped"]),
     }
 
 
 RIDES = {"allreduce", "fp16_compress"}
 """The hooks whose last bucket carries the agreement row (see ``launch.HookLauncher``)."""
+
+ORDERED = {"fp16_wrapper", "custom", "powersgd"}
+"""The hooks that may launch collectives from their callbacks (``launches_from_callbacks``):
+their row goes on a private group with the wrapper's ranks."""
 
 CASES = [(h, False) for h in HOOKS] + [(h, True) for h in HOOKS if h != "powersgd"]
 
@@ -114,6 +129,8 @@ def test_hook_gives_the_weights_of_torch_ddp_with_it(hook: str, tiny: bool) -> N
         # One hook call per bucket, and the flags' own all-reduce, unless they rode in the
         # last bucket (torch's averaging hooks, exact at this world size).
         assert r["collectives"] == r["buckets"] + (0 if hook in RIDES else 1)
+        # An ordered hook's row has a group of its own, with the wrapper's ranks.
+        assert r["row"] == {"private": hook in ORDERED, "same_ranks": True}
     # Compression (or local steps) changes the result: the hook was really used.
     if hook in ("fp16_compress", "powersgd", "post_local_sgd"):
         r = results[0]
@@ -198,10 +215,12 @@ def _powersgd_buckets(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def test_powersgd_with_several_buckets_keeps_one_collective_order() -> None:
-    # Before bucket k's hook waited for bucket k-1's future, this hung on every run.
+@pytest.mark.parametrize("world", [2, 3])
+def test_powersgd_with_several_buckets_keeps_one_collective_order(world: int) -> None:
+    # Before bucket k's hook waited for bucket k-1's future, this hung on every run. The
+    # agreement row, on its private group, is launched while the hooks' collectives run.
     _skip_powersgd_where_cuda_is("powersgd")
-    for rank, r in enumerate(run_ranks(_powersgd_buckets, 2, timeout=90)):
+    for rank, r in enumerate(run_ranks(_powersgd_buckets, world, timeout=120)):
         assert len(r["plan"]) == 2
         assert r["torch"][-2:] == r["plan"]
         assert_weights(r["ours"], r["theirs"], rank)
@@ -353,11 +372,21 @@ def _missing_with(rank: int, world: int, hook: str) -> dict[str, Any]:
     model = BucketDataParallel(_TwoHeads())
     model.register_comm_hook(*HOOKS[hook]())
     said = raised(lambda: model(torch.randn(3, 4)).sum().backward())
-    return {"said": said, "riding": model.reducer.launcher.riding}  # type: ignore[union-attr]
+    riding = model.reducer.launcher.riding  # type: ignore[union-attr]
+    return {"said": said, "riding": riding, "row": _row_group(model)}
 
 
 @pytest.mark.parametrize(
-    ("hook", "world"), [("allreduce", 2), ("fp16_compress", 2), ("custom", 2), ("fp16_compress", 3)]
+    ("hook", "world"),
+    [
+        ("allreduce", 2),
+        ("fp16_compress", 2),
+        ("custom", 2),
+        ("fp16_compress", 3),
+        ("post_local_sgd", 2),
+        ("powersgd", 2),
+        ("powersgd", 3),
+    ],
 )
 def test_a_parameter_missing_on_one_rank_raises_on_every_rank_with_a_hook(
     hook: str, world: int
@@ -365,15 +394,23 @@ def test_a_parameter_missing_on_one_rank_raises_on_every_rank_with_a_hook(
     # With torch's averaging hooks the agreement row rides in the last bucket's buffer, and
     # the hook averages it: the sum taken back must still name the parameter on every rank.
     # At 3 ranks the fp16 average of a flag (1/3) is inexact, and rounding brings it back.
+    # An ordered hook's row (custom, PowerSGD) goes on a private group; any other hook's
+    # that does not ride (post-local SGD), on the wrapper's.
+    _skip_powersgd_where_cuda_is(hook)
     for r in run_ranks(_missing_with, world, hook, timeout=90):
         assert "parameters ['b.weight', 'b.bias'] received no gradient" in r["said"]
         assert r["riding"] is (hook in RIDES)
+        assert r["row"] == {"private": hook in ORDERED, "same_ranks": True}
 
 
-def test_allreduce_hook_at_three_ranks_gives_the_weights_of_torch_ddp() -> None:
+@pytest.mark.parametrize("hook", ["allreduce", "powersgd"])
+def test_hook_at_three_ranks_gives_the_weights_of_torch_ddp(hook: str) -> None:
     # Three ranks: the flags riding in the last bucket average to thirds, which float32
     # cannot hold exactly; multiplied back and rounded, every step must still read "as
-    # planned" (one collective per bucket) and match torch DDP.
-    for rank, r in enumerate(run_ranks(_compare, 3, "allreduce", False, timeout=120)):
+    # planned" (one collective per bucket) and match torch DDP. PowerSGD's row goes alone,
+    # on its private group: one collective more.
+    _skip_powersgd_where_cuda_is(hook)
+    for rank, r in enumerate(run_ranks(_compare, 3, hook, False, timeout=120)):
         assert_weights(r["ours"], r["theirs"], rank)
-        assert r["collectives"] == r["buckets"]
+        assert r["collectives"] == r["buckets"] + (0 if hook in RIDES else 1)
+        assert r["row"] == {"private": hook in ORDERED, "same_ranks": True}

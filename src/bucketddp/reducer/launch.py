@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import AsyncSum, on_wire, wait_kept
+from ..comm import AsyncSum, on_wire, private_copy, wait_kept
 from ..comm_hooks import (
     CommHook,
     GradBucket,
@@ -83,8 +83,8 @@ class HookLauncher:
     that average the whole buffer elementwise over the wrapper's group (``allreduce_hook``,
     the fp16 and bf16 compress hooks), and the average, multiplied back by the world size,
     rounds to the exact sum (``averages_exactly``): one collective fewer per step. Otherwise
-    the row is all-reduced on its own: right after the last bucket's hook call, or with an
-    ordered hook as soon as the last bucket's future is done (``_launch_row``).
+    the row is all-reduced on its own, right after the last bucket's hook call, on
+    ``row_group`` (``_launch_row``).
     """
 
     averages = True
@@ -97,13 +97,22 @@ class HookLauncher:
         *,
         world_size: int,
         row_may_ride: bool,
+        row_group: dist.ProcessGroup | None = None,
     ) -> None:
-        """``row_may_ride``: the hook's group is the wrapper's, and the row holds only flags."""
-        self._group = group
+        """``row_may_ride``: the hook's group is the wrapper's, and the row holds only flags.
+
+        ``row_group``: where the row is all-reduced when it does not ride; None for
+        ``group``, the wrapper's. An ordered hook needs a private group with its ranks.
+        """
         self.state = state
         self.hook = hook
         self.ordered = launches_from_callbacks(hook)
+        if self.ordered and row_group is None:
+            raise ValueError("an ordered hook's agreement row needs a group of its own")
         self._sum = AsyncSum(group)
+        self._row_sum = self._sum if row_group is None else AsyncSum(row_group)
+        self.row_group = self._row_sum.group
+        """The process group the row is all-reduced on when it does not ride."""
         self._world = world_size
         self._row_may_ride = row_may_ride
         self._rides_by_dtype: dict[torch.dtype, bool] = {}
@@ -111,8 +120,8 @@ class HookLauncher:
         # The future of the hook called last in this step: with an ordered hook, the next
         # bucket's call waits for it.
         self._tail: torch.futures.Future[Any] | None = None
-        # The row's all-reduce (an ordered hook's: a future of it), once launched.
-        self._row: dist.Work | torch.futures.Future[Any] | None = None
+        # The row's all-reduce, once launched.
+        self._row: dist.Work | None = None
 
     @property
     def extra_collectives(self) -> int:
@@ -174,24 +183,15 @@ class HookLauncher:
         return future
 
     def _launch_row(self, row: torch.Tensor) -> None:
-        """After the last hook call, the row's all-reduce goes next on every rank, and
+        """Launch the row's all-reduce on ``row_group``, right after the last hook call; it
         overlaps the hooks' traffic.
 
-        An unordered hook has launched all its collectives: the row goes now. An ordered
-        one may still launch some from its futures' callbacks; once the last bucket's
-        future is done, so are all of them, and the row is launched from that future's
-        callback (on the backend's thread, as the hook's own are), keeping its place in
-        one order on every rank without waiting for the main thread to notice.
+        An unordered hook has launched all its collectives, so the row goes next on the
+        wrapper's group on every rank. An ordered one may still launch some from its
+        futures' callbacks on the wrapper's group, in an order the row could not keep a
+        place in: its row goes on a private group, whose order is its own.
         """
-        if not self.ordered:
-            self._row = self._sum(on_wire(row))
-            return
-        tail = self._tail
-        assert tail is not None
-        self._row = call_after(tail, functools.partial(self._row_future, row))
-
-    def _row_future(self, row: torch.Tensor) -> torch.futures.Future[Any]:
-        return self._sum(on_wire(row)).get_future()
+        self._row = self._row_sum(on_wire(row))
 
     def _wait_row(self, check: Callable[[], None]) -> None:
         """Run ``check`` (the hooks' results), then wait for the row's sum.
@@ -202,10 +202,7 @@ class HookLauncher:
         try:
             check()
         finally:
-            if isinstance(launched, dist.Work):
-                wait_kept(launched)
-            elif launched is not None:
-                launched.wait()
+            wait_kept(launched)
 
     def wait_all(self, buckets: Sequence[Bucket]) -> None:
         """Wait for every hook's future, copy its result in, and have the row summed."""
@@ -291,7 +288,9 @@ def hook_launcher(r: ReducerState, state: object, hook: CommHook) -> Launcher:
     """The launcher that reduces each of ``r``'s buckets with ``hook(state, bucket)``.
 
     Raises unless the hook can be registered now: once per reducer, between steps, and
-    for dense gradients only.
+    for dense gradients only. For a hook that launches collectives from its callbacks it
+    makes a process group with ``r``'s ranks, a collective: every rank registers the hook
+    at the same point.
     """
     current = r.launcher.inner if isinstance(r.launcher, CheckedLauncher) else r.launcher
     if isinstance(current, HookLauncher):
@@ -308,11 +307,15 @@ def hook_launcher(r: ReducerState, state: object, hook: CommHook) -> Launcher:
     world = dist.group.WORLD
     hook_group = state if state is not None else world
     same_group = hook_group is (r.process_group if r.process_group is not None else world)
+    # An ordered hook's row goes on a group of its own (see HookLauncher._launch_row),
+    # made now, on the thread registering the hook: never from a backend's callback.
+    row_group = private_copy(r.process_group) if launches_from_callbacks(hook) else None
     launcher = HookLauncher(
         r.process_group,
         state,
         hook,
         world_size=r.world_size,
         row_may_ride=same_group and r.finite is None,
+        row_group=row_group,
     )
     return checked(r, launcher)
