@@ -26,6 +26,7 @@ import atexit
 import errno
 import queue
 import threading
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,7 @@ class Writer:
         self._thread.start()
         atexit.register(self.close)
         self.committed: tuple[int, str] | None = None  # (step, meta) of the last commit
+        self.waited = 0.0  # seconds ``settle`` has blocked in all (what the overlap left)
 
     def take(
         self,
@@ -228,7 +230,10 @@ class Writer:
 
     def settle(self) -> None:
         """Wait until the last snapshot's tensors are all copied (its ``late`` ones too)."""
-        self._copied.wait()
+        if not self._copied.is_set():
+            start = time.perf_counter()
+            self._copied.wait()
+            self.waited += time.perf_counter() - start
 
     def wait(self) -> None:
         """Wait until every snapshot taken so far is written."""
