@@ -8,6 +8,8 @@ hold.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -194,3 +196,23 @@ def test_a_snapshot_makes_no_collective_and_each_rank_gets_its_own_buffers(
     for name, value in r0["at_snapshot"].items():
         assert torch.equal(value, r1["at_snapshot"][name]), name
         assert torch.equal(r0["restored"][name], value) and torch.equal(r1["restored"][name], value)
+
+
+def _restarted_node_finds_nothing(rank: int, world: int) -> tuple[bool, str]:
+    # Two nodes of one worker each: rank 0's joined this round (attempt 0), rank 1's was
+    # restarted (attempt 1); no node kept a snapshot.
+    os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", TORCHELASTIC_RESTART_COUNT=str(rank))
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        restored = Session().restore()
+    return restored is None, said.getvalue()
+
+
+def test_a_restart_that_finds_no_snapshot_says_so_when_rank_0_is_a_new_node(
+    tmp_path: Path,
+) -> None:
+    env = {**_env(tmp_path, "joined"), "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2"}
+    (none0, said0), (none1, said1) = run_ranks(_restarted_node_finds_nothing, 2, env=env)
+    assert none0 and none1
+    assert "attempt 1 of this job found no usable snapshot on any node" in said0
+    assert said1 == ""

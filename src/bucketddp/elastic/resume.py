@@ -13,6 +13,7 @@ are never read from any other.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,8 +158,9 @@ def restore(
     world = dist.get_world_size(group)
     me = dist.get_rank(group)
     scanned = _Scanned.read(job, folder, key, disk)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, scanned.listing(phase), group=group)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (job.attempt, scanned.listing(phase)), group=group)
+    everyone = [listing for _, listing in gathered]
     for (which, on_disk), holder in _candidates(everyone, world):
         step, finished, attempt, node = which
         status: list[Any] = [None]
@@ -200,6 +202,15 @@ def restore(
         if finished:
             where = f"the end of the fit at {where}"
         return Restored(state, step, own, old_world, where, finished, scanned.here)
+    # A restart of some node (a join leaves the new node at attempt 0, so ask them all).
+    latest = max(attempt for attempt, _ in gathered)
+    if latest > 0 and me == 0:
+        print(
+            f"bucketddp: attempt {latest} of this job found no usable snapshot on any node: "
+            "training starts from the beginning",
+            file=sys.stderr,
+            flush=True,
+        )
     return None
 
 

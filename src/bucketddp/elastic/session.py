@@ -300,13 +300,6 @@ class Session:
                 self.finished = True
                 self._clean_exit.arm()
                 NOTICE.uninstall()
-        elif self.job.attempt > 0 and self.job.rank == 0:
-            print(
-                f"bucketddp: attempt {self.job.attempt} of this job found no usable snapshot "
-                "on any node: training starts from the beginning",
-                file=sys.stderr,
-                flush=True,
-            )
         return restored
 
     def _close_writer(self) -> None:
