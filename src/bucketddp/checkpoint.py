@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import global_rank
-from .skeleton import join_tensors, split_tensors
+from .skeleton import as_bytes, join_tensors, split_tensors
 
 __all__ = [
     "broadcast_checkpoint",
@@ -258,12 +258,6 @@ def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of ``t``'s data (of a contiguous copy, if ``t`` is not)."""
-    t = t.detach().resolve_conj().resolve_neg()
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _send_bytes(

@@ -123,7 +123,7 @@ def to_bytes(obj: Any) -> bytes:
     tensor on its device): several times cheaper than ``torch.save`` for a small object."""
     skeleton, tensors, metas = split_tensors(obj)
     devices = [str(t.device) for t in tensors]
-    blobs = [_raw(t) for t in tensors]
+    blobs = [as_bytes(t).cpu().numpy().tobytes() for t in tensors]
     return pickle.dumps((skeleton, metas, devices, blobs), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -137,9 +137,10 @@ def from_bytes(data: bytes) -> Any:
     return join_tensors(skeleton, tensors, metas)
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    t = t.detach().resolve_conj().resolve_neg().cpu().contiguous()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``t``'s data (of a contiguous copy, if ``t`` is not)."""
+    t = t.detach().resolve_conj().resolve_neg()
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _tensor_from(blob: bytes, meta: TensorMeta) -> torch.Tensor:
