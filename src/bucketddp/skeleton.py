@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import io
 import pickle
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-_DENSE_TYPES = (torch.Tensor, torch.nn.Parameter)
+_TENSOR = torch.Tensor
+_PARAMETER = torch.nn.Parameter
+_STRIDED = torch.strided
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    """What a receiving rank needs to allocate one tensor before its bytes arrive."""
+class TensorMeta(NamedTuple):
+    """What a receiving rank needs to allocate one tensor before its bytes arrive (a named
+    tuple: made once per tensor per snapshot, it must be cheap)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -59,10 +60,10 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         kind = type(obj)
         if (
-            kind not in _DENSE_TYPES
-            or obj.layout != torch.strided
+            (kind is not _TENSOR and kind is not _PARAMETER)
+            or obj.layout != _STRIDED
             or obj.is_quantized
-            or obj.device.type == "meta"
+            or obj.is_meta
         ):
             return NotImplemented
         shape = obj.shape
@@ -76,7 +77,7 @@ class _Pickler(pickle.Pickler):
         if index is None:
             index = self.index[key] = len(self.tensors)
             self.tensors.append(obj)
-            parameter = kind is torch.nn.Parameter or bool(getattr(obj, "_is_param", False))
+            parameter = kind is _PARAMETER or bool(getattr(obj, "_is_param", False))
             self.metas.append(TensorMeta(obj.dtype, tuple(shape), parameter, obj.requires_grad))
         return _tensor_at, (index,)
 

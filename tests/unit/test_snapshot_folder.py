@@ -15,9 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from bucketddp.elastic.files import BadMeta, decode_meta, encode_meta
+from bucketddp.elastic.files import BadMeta, decode_meta, encode_meta, tables
 from bucketddp.elastic.folder import Folder, UnsafeFolder
+from bucketddp.skeleton import TensorMeta
 
 KEY = bytes(range(32))
 
@@ -102,3 +104,16 @@ def test_a_meta_reads_back_only_whole_with_its_key() -> None:
     del no_section["own"]
     with pytest.raises(BadMeta, match="'own' is missing"):
         decode_meta(encode_meta(no_section, KEY), KEY)
+
+
+def test_a_meta_with_kept_tables_reads_back_as_one_made_afresh() -> None:
+    metas = [
+        TensorMeta(torch.float32, (3, 4), True, True),
+        TensorMeta(torch.bfloat16, (), False, False),
+        TensorMeta(torch.int64, (0,), False, False),
+    ]
+    payload = _payload() | {"metas": metas, "owners": [0, 1, 0], "offsets": [0, 0, 64]}
+    fresh = decode_meta(encode_meta(payload, KEY), KEY)
+    assert fresh == payload
+    kept = payload | {"tables": tables(payload)}
+    assert decode_meta(encode_meta(kept, KEY), KEY) == fresh

@@ -76,16 +76,31 @@ def data_name(meta_name: str) -> str:
     return meta_name.removesuffix(".meta") + ".data"
 
 
-def encode_meta(payload: dict[str, Any], key: bytes) -> bytes:
-    """The bytes of a meta holding ``payload`` (the fields ``decode_meta`` checks)."""
-    header = {k: v for k, v in payload.items() if k not in _SECTIONS and k != "metas"}
-    header["metas"] = [
+_TABLES = ("metas", "owners", "offsets")
+
+
+def tables(payload: dict[str, Any]) -> str:
+    """A meta's tensor tables (each tensor's dtype, shape and place) as JSON object members:
+    the bulk of a meta's header, the same from one snapshot to the next while the layout
+    stays (``snapshots.Layout`` keeps them, for ``encode_meta``'s ``"tables"``)."""
+    found: dict[str, Any] = {k: payload[k] for k in _TABLES if k in payload}
+    found["metas"] = [
         [str(m.dtype), list(m.shape), m.parameter, m.requires_grad]
         for m in payload.get("metas", [])
     ]
+    return json.dumps(found, separators=(",", ":"))[1:-1]
+
+
+def encode_meta(payload: dict[str, Any], key: bytes) -> bytes:
+    """The bytes of a meta holding ``payload`` (the fields ``decode_meta`` checks); its
+    tables are ``payload["tables"]`` if given, else made from its metas, owners, offsets."""
+    skip = {*_SECTIONS, *_TABLES, "tables"}
+    header = {k: v for k, v in payload.items() if k not in skip}
     sections = [payload[k] for k in _SECTIONS if k in payload]
     header["sections"] = [[k, len(payload[k])] for k in _SECTIONS if k in payload]
-    head = json.dumps(header, separators=(",", ":")).encode()
+    members = payload.get("tables") or tables(payload)
+    rest = json.dumps(header, separators=(",", ":"))  # at least {"sections":[]}
+    head = ("{" + members + "," + rest[1:]).encode()
     body = len(head).to_bytes(4, "little") + head + b"".join(sections)
     return MAGIC + hmac.new(key, body, hashlib.sha256).digest() + body
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..skeleton import TensorMeta, split_tensors, to_bytes
-from .files import Part, checksum, write_meta
+from .files import Part, checksum, tables, write_meta
 from .folder import Folder
 from .job import Job
 from .room import no_room
@@ -68,6 +68,14 @@ class Layout:
     owners: list[int]
     offsets: list[int]
     loads: list[int]
+    tables: str  # the metas, owners and offsets as a meta's JSON (``files.tables``)
+
+    @classmethod
+    def of(cls, metas: list[TensorMeta], ways: int) -> Layout:
+        """The deal of tensors like ``metas`` over ``ways`` writers."""
+        owners, offsets, loads = deal(metas, ways)
+        table = tables({"metas": metas, "owners": owners, "offsets": offsets})
+        return cls(metas, owners, offsets, loads, table)
 
     def mine(self, tensors: list[torch.Tensor], writer: int) -> list[torch.Tensor]:
         """The tensors ``writer`` copies, in index order."""
@@ -171,9 +179,10 @@ class Writer:
             "phase": phase,
             "finished": finished,
             "skeleton": skeleton,
-            "metas": metas,
+            "metas": layout.metas,
             "owners": owners,
             "offsets": offsets,
+            "tables": layout.tables,
             "nbytes": loads[me],
             "own": to_bytes(own),
         }
@@ -185,7 +194,7 @@ class Writer:
     def _layout_of(self, metas: list[TensorMeta]) -> Layout:
         """The deal of tensors like ``metas``: the last one's if they are alike."""
         if self._layout is None or self._layout.metas != metas:
-            self._layout = Layout(metas, *deal(metas, self.job.local_world_size))
+            self._layout = Layout.of(metas, self.job.local_world_size)
             self._views.clear()
         return self._layout
 
