@@ -18,7 +18,7 @@ from .. import hook_state
 from ..bucket_plan import adopt_plan, plan_entry
 from ..notice import NOTICE
 from ..parallel import BucketDataParallel
-from . import rng, room
+from . import collector, rng, room
 from .job import NOT_UNDER_TORCHRUN
 from .overlap import enabled, late_tensors, optimizers_in, settle_before_steps
 from .sampler import ElasticSampler, EpochPosition
@@ -209,8 +209,9 @@ class Elastic:
             self._agree_on_notice()
         if not self.session.due(self.steps):
             return
-        late = late_tensors(self._optimizers)
-        self.session.take(self.steps, *self._parts(position), late=late)
+        with collector.held_off():
+            late = late_tensors(self._optimizers)
+            self.session.take(self.steps, *self._parts(position), late=late)
         if NOTICE.agreed:
             self.session.stop(self.steps)
 

@@ -50,7 +50,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 
-from ..elastic import rng, room
+from ..elastic import collector, rng, room
 from ..elastic.disk import ENV as PREEMPT_ENV
 from ..elastic.job import NOT_UNDER_TORCHRUN, slurm_job_id, under_slurm
 from ..elastic.loop import hook_parts, load_own_buffers, own_buffers, restore_hook
@@ -252,8 +252,9 @@ class TrainerElastic:
             return
         self._last_step = step
         # Copied during the next step (overlap.py), unless BUCKETDDP_SNAPSHOT_OVERLAP=0.
-        late = late_tensors(trainer.optimizers) if enabled() else ()
-        session.take(step, *self._parts(trainer, wrapped, plan), late=late)
+        with collector.held_off():
+            late = late_tensors(trainer.optimizers) if enabled() else ()
+            session.take(step, *self._parts(trainer, wrapped, plan), late=late)
         if NOTICE.agreed:
             session.stop(step)
 
