@@ -121,14 +121,14 @@ def test_late_tensors_are_copied_behind_and_settle_waits_for_them(
     # step goes on (take returns), what a forward changes was copied at once, and settle()
     # (before the next optimizer step) returns only once the late copy is done.
     release = threading.Event()
-    copy = snapshots._copy
+    copy = snapshots.Copies.run
 
-    def held_copy(pairs: list[Any]) -> None:
+    def held_copy(copies: snapshots.Copies) -> None:
         if threading.current_thread() is not threading.main_thread():
             assert release.wait(timeout=30)
-        copy(pairs)
+        copy(copies)
 
-    monkeypatch.setattr(snapshots, "_copy", held_copy)
+    monkeypatch.setattr(snapshots.Copies, "run", held_copy)
     state = _state(1)
     before = {k: v.detach().clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
     writer = Writer(Job("run", 0, 0, 0, 1, 0, 1), Folder.open(tmp_path / "snapshots"), KEY)
