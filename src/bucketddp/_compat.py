@@ -108,6 +108,13 @@ def storage_use_count(storage: torch.UntypedStorage) -> int:
     return int(torch._C._storage_Use_Count(storage._cdata))
 
 
+def unflatten_views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of the 1-D ``flat``, one per tensor in order, each ``flat.narrow(...).view(shape)``
+    of its tensor's shape: one call of torch's private C++ ``unflatten_dense_tensors``
+    (behind ``torch._utils._unflatten_dense_tensors``), present from torch 2.5 to 2.15."""
+    return list(torch._C._nn.unflatten_dense_tensors(flat, tensors))
+
+
 def weights_only_kwargs(weights_only: bool | None) -> dict[str, Any]:
     """The ``weights_only`` keyword to hand on to Lightning's ``load_checkpoint`` methods.
 

@@ -64,6 +64,36 @@ def test_storage_use_count_counts_the_tensors_on_a_storage() -> None:
     assert _compat.storage_use_count(base.untyped_storage()) == alone
 
 
+@pytest.mark.compat("engine")
+def test_unflatten_views_are_the_slot_views_of_the_loop() -> None:
+    """The one-call views (every parameter contiguous, none empty) are those the Python
+    loop of ``slot_views`` makes: same shapes, strides and places on the same storage."""
+    from bucketddp.reducer import storage
+
+    params = [torch.zeros(3, 4), torch.zeros(()), torch.zeros(5), torch.zeros(2, 1, 3)]
+    flat = torch.arange(40.0)  # longer than the parameters: a last bucket's row follows
+    fast = _compat.unflatten_views(flat, params)
+    offset, slow = 0, []
+    for p in params:
+        slow.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    for views in (fast, storage.slot_views(flat, params)):
+        for a, b in zip(views, slow, strict=True):
+            assert (a.shape, a.stride(), a.storage_offset()) == (
+                b.shape,
+                b.stride(),
+                b.storage_offset(),
+            )
+            assert a.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    # A channels_last weight or an empty parameter takes the loop, which keeps its layout
+    # and puts it on the bucket's storage.
+    odd = [torch.zeros(2, 3, 2, 2).to(memory_format=torch.channels_last), torch.zeros(0, 4)]
+    views = storage.slot_views(flat, [params[0], *odd])
+    assert views[1].stride() == odd[0].stride()
+    assert views[2].shape == (0, 4)
+    assert views[2].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
 @pytest.mark.compat("fabric")
 def test_weights_only_is_handed_to_lightning_only_when_given(tmp_path: Path) -> None:
     plugins = pytest.importorskip("lightning.fabric.plugins")

@@ -146,10 +146,10 @@ class HookLauncher:
         """Call the hook on bucket ``k`` (with an ordered hook, once bucket ``k - 1``'s
         future is done)."""
         if bucket.row is None:
-            return self._call(k, bucket.grads, bucket.params, False)
+            return self._call(k, bucket.grads, bucket.params, False, bucket.views_for_hook)
         self.riding = self._rides(bucket.storage)
         buffer = bucket.storage if self.riding else bucket.grads
-        future = self._call(k, buffer, bucket.params, True)
+        future = self._call(k, buffer, bucket.params, True, bucket.views_for_hook)
         if not self.riding:
             self._launch_row(bucket.row)
         return future
@@ -167,11 +167,18 @@ class HookLauncher:
             self._wait_row(check)
 
     def _call(
-        self, k: int, buffer: torch.Tensor, params: list[torch.Tensor], last: bool
+        self,
+        k: int,
+        buffer: torch.Tensor,
+        params: list[torch.Tensor],
+        last: bool,
+        views: Callable[[], list[torch.Tensor]] | None = None,
     ) -> torch.futures.Future[Any]:
-        # Views of its own for the hook's GradBucket, made if it asks: one it keeps must not
-        # hold the slots' views, which would look like a .grad kept by the user.
-        views = functools.partial(slot_views, buffer, params)
+        """Call the hook on bucket ``k``'s ``buffer``; ``views`` makes what its
+        ``gradients()`` returns (the bucket's ``views_for_hook``; None: views of ``buffer``
+        made if it asks, for a joined rank's stand-ins)."""
+        if views is None:
+            views = functools.partial(slot_views, buffer, params)
         bucket = GradBucket(k, buffer, views, params, last)  # type: ignore[arg-type]
         previous = self._tail if self.ordered and k > 0 else None
         if previous is None or previous.done():

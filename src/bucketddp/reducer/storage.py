@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._compat import storage_use_count
+from .._compat import storage_use_count, unflatten_views
 from ..buckets import BucketPlan
 from ..comm import wait_kept
 
@@ -32,6 +32,7 @@ class Bucket:
         "divisor",
         "expected",
         "grads",
+        "hook_views",
         "members",
         "own_tensors",
         "params",
@@ -74,13 +75,37 @@ class Bucket:
         self.written = False
         # The averaging factors (see Reducer.set_scales).
         self.scale = self.divisor = torch.ones(())
+        # The views a communication hook's GradBucket.gradients() returns, made at its first
+        # call (views_for_hook).
+        self.hook_views: list[torch.Tensor] | None = None
 
     def rebind(self, storage: torch.Tensor) -> None:
         """Hold ``storage`` (same size and contents) from now on."""
         numel = self.grads.numel()
+        self.hook_views = None  # on the old storage; the caller recounts ``own_tensors``
         self.storage = storage
         self.grads = storage[:numel]
         self.row = storage[numel:] if storage.numel() > numel else None
+
+    def views_for_hook(self) -> list[torch.Tensor]:
+        """Views of the storage, one per parameter, for a hook's ``GradBucket.gradients()``.
+
+        Made at the first call and kept, as torch DDP keeps its bucket views: a hook that
+        asks every step (PowerSGD) would otherwise have them made every step, at the end of
+        the backward for the last bucket. They are the reducer's own tensors on the storage
+        (``own_tensors``), distinct from the slots' views, whose references tell a ``.grad``
+        kept by the user; the hook gets a list of its own.
+        """
+        if self.hook_views is None:
+            self.hook_views = slot_views(self.storage, self.params)
+            self.own_tensors += len(self.hook_views)
+        return list(self.hook_views)
+
+    def drop_hook_views(self) -> None:
+        """Forget the hook's views (a slot changed layout); they count as own no more."""
+        if self.hook_views is not None:
+            self.own_tensors -= len(self.hook_views)
+            self.hook_views = None
 
     def wait(self) -> Any:
         """Wait for the bucket's communication; returns what a hook's future holds."""
@@ -195,6 +220,7 @@ class BucketStorage:
                 break
             offset += self.params[j].numel()
         param = self.params[i]
+        bucket.drop_hook_views()  # made in the slot's old layout
         view = slot_views(bucket.storage[offset : offset + param.numel()], [param])[0]
         self.views[i] = view
         self.ptrs[i] = view.data_ptr()
@@ -236,6 +262,12 @@ def slot_views(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch
     made a view then keeps the parameter's layout, which AccumulateGrad expects (otherwise
     it warns that the gradient layout contract is broken, and accumulates more slowly).
     """
+    if all(p.is_contiguous() and p.numel() for p in params):
+        # The common case, in one C++ call: the loop below costs about 4 us a parameter in
+        # Python, and a hook that asks for ``gradients()`` (PowerSGD) has them made every
+        # step, at the end of the backward for the last bucket. (torch makes an empty
+        # parameter's view on memory of its own: those take the loop.)
+        return unflatten_views(flat, list(params))
     views, offset = [], 0
     for p in params:
         if not p.is_contiguous() and _dense(p):
