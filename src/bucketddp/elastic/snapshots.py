@@ -17,7 +17,7 @@ steps again. The rest (buffers, which a forward changes) is copied at once.
 
 The deal, and each slot's views of its file (one per tensor, of its dtype and shape), are
 kept from one snapshot to the next while the tensors' shapes and dtypes stay the same:
-then a snapshot is one ``copy_`` per tensor of the share, with no per-tensor slicing.
+then a snapshot copies its share with one ``_foreach_copy_``, with no per-tensor slicing.
 """
 
 from __future__ import annotations
