@@ -97,7 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not section:
         print("bench_ratio_plot: no world-size-2 section to draw", file=sys.stderr)
         return 2
-    rounds = sum(r["config"]["rounds"] for _, r in reports)
+    per_model = [
+        sum(r["config"]["rounds"] for _, r in reports if model in r.get("world_size_2", {}))
+        for model in section
+    ]
+    low, high = min(per_model), max(per_model)
+    rounds = f"{low}" if low == high else f"{low} to {high} (per model)"
     runs = f" ({len(reports)} runs pooled)" if len(reports) > 1 else ""
     title = (
         f"median of {rounds} interleaved round ratios{runs}, 95% intervals; "
