@@ -264,9 +264,8 @@ def slot_views(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch
     """
     if all(p.is_contiguous() and p.numel() for p in params):
         # The common case, in one C++ call: the loop below costs about 4 us a parameter in
-        # Python, and a hook that asks for ``gradients()`` (PowerSGD) has them made every
-        # step, at the end of the backward for the last bucket. (torch makes an empty
-        # parameter's view on memory of its own: those take the loop.)
+        # Python. (torch makes an empty parameter's view on memory of its own: those take
+        # the loop.)
         return unflatten_views(flat, list(params))
     views, offset = [], 0
     for p in params:
