@@ -10,6 +10,8 @@
   the Fabric loop, once 13 steps are done: every rank stops after step 14 with a snapshot
   of it, torchrun restarts them, and the job exits 0, bit-equal, with no step done twice
   (and without waiting for ``stall_timeout``: Lightning's own handler never runs).
+- With ``accumulate_grad_batches=2``, rank 1 SIGKILLed in the second batch of the first
+  step: bit-equal to the same fit uninterrupted (no snapshot of a half-accumulated step).
 - With PowerSGD, rank 1 SIGKILLed after 13 steps of the Trainer fit and the Fabric loop:
   bit-equal to the same run uninterrupted (the hook's state is in the snapshots).
 - With PowerSGD, a Trainer checkpoint saved after step 16 and resumed by a new fit with
@@ -121,6 +123,18 @@ def test_a_comm_hooks_state_survives_a_kill(tmp_path: Path, shm: Path) -> None:
             assert len(done_twice(out, rank)) <= 1, (family, rank, done_twice(out, rank))
         reference = tmp_path / family / "straight" / "final.pt"
         assert same_weights(out / "final.pt", reference), family
+
+
+@pytest.mark.timeout(600)  # a hang guard: two torchrun jobs of Lightning
+def test_a_rank_killed_while_accumulating_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
+    """``accumulate_grad_batches=2``: rank 1 SIGKILLed in the second batch of the first
+    step, after the first batch's backward, whose gradients no snapshot holds: the restart
+    starts that step over, and the weights are bit-equal to the fit uninterrupted."""
+    runs = {"accumulate/straight": ("accumulate", "-1"), "accumulate/killed": ("accumulate", "0")}
+    _run_and_compare(tmp_path, shm, runs)
+    out = tmp_path / "accumulate"
+    assert "attempt 1" in (out / "killed" / "steps.rank1").read_text(), "it did not restart"
+    assert same_weights(out / "killed" / "final.pt", out / "straight" / "final.pt")
 
 
 @pytest.mark.timeout(600)  # a hang guard: one torchrun job of two fits

@@ -2,7 +2,9 @@
 
 ``python elastic_lightning.py MODE OUT KILL`` on 2 workers: a Trainer fit of 24 steps (8 an
 epoch) with ``BucketDDP(elastic=True)`` and a plain DataLoader (``trainer``) or a
-StatefulDataLoader (``stateful``), or the same loop under Fabric with
+StatefulDataLoader (``stateful``), the Trainer fit with ``accumulate_grad_batches=2``
+(``accumulate``: 12 steps, and the kill comes in the second batch of step ``KILL + 1``),
+or the same loop under Fabric with
 ``BucketFabricDDP(elastic=True)`` (``fabric``). In attempt 0, rank 1 kills itself
 (SIGKILL) when ``KILL`` steps are done; under ``ELASTIC_SIGNAL=TERM`` rank
 ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead (``elastic_loop.notice_due``).
@@ -79,7 +81,9 @@ class Module(pl.LightningModule):
         self.out, self.kill, self.stateful = out, kill, stateful
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        _kill_if_due(self.global_rank, self.trainer.global_step, self.kill)
+        # Accumulating, the kill comes in the batch that completes the step.
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
+            _kill_if_due(self.global_rank, self.trainer.global_step, self.kill)
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -105,13 +109,14 @@ class StepLog(pl.Callback):
             print(f"step {trainer.global_step} attempt {ATTEMPT}", file=log)
 
 
-def trainer(out: str, kill: int, stateful: bool) -> None:
+def trainer(out: str, kill: int, stateful: bool, accumulate: int = 1) -> None:
     model = Module(out, kill, stateful)
     fit = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=BucketDDP(elastic=True, **_hook()),
-        max_steps=EPOCHS * 8,
+        max_steps=EPOCHS * 8 // accumulate,
+        accumulate_grad_batches=accumulate,
         callbacks=[StepLog(out)],
         logger=False,
         enable_checkpointing=False,
@@ -268,6 +273,6 @@ if __name__ == "__main__":
     elif mode == "nodes":
         nodes(out, kill)
     else:
-        trainer(out, kill, stateful=mode == "stateful")
+        trainer(out, kill, stateful=mode == "stateful", accumulate=2 if mode == "accumulate" else 1)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -281,8 +281,12 @@ class TrainerElastic:
         return checkpoint, own
 
     def listen(self, trainer: Any) -> None:
-        """While fitting, the stop signals are ours (not Lightning's: see the module
-        docstring)."""
+        """The fit's loop starts: while fitting, the stop signals are ours (not Lightning's:
+        see the module docstring). Its state now, at ``trainer.global_step``, is the one it
+        started from: no snapshot until an optimizer step has moved it (with
+        ``accumulate_grad_batches``, the batches before a step hold gradients that a
+        snapshot does not)."""
+        self._last_step = trainer.global_step
         if self.session is not None and trainer.training and not self._finished:
             self.session.listen()
 
