@@ -196,6 +196,8 @@ def _run_and_compare(
     with ThreadPoolExecutor(max_workers=3) as pool:
         list(pool.map(run, runs))
     assert not any(shm.glob("**/*.meta")), "snapshots left after a clean finish"
+    for name, output in outputs.items():  # ranks that remove them on their way out race
+        assert "could not remove" not in output, (name, output[-3000:])
     if straight is None:
         return
     for name in runs:

@@ -134,7 +134,10 @@ class CleanExit:
             return  # an uncaught exception: torchrun's agent may restart this node
 
         def mark_and_remove() -> int:
-            folder.write(exit_mark(self.job, self.job.local_rank), b"")
+            try:
+                folder.write(exit_mark(self.job, self.job.local_rank), b"")
+            except FileNotFoundError:
+                return 0  # the folder is gone: a rank of the last attempt removed it
             names = set(folder.names())
             if any(exit_mark(self.job, r) not in names for r in range(self.job.local_world_size)):
                 return 0
