@@ -12,6 +12,8 @@
   (and without waiting for ``stall_timeout``: Lightning's own handler never runs).
 - With ``accumulate_grad_batches=2``, rank 1 SIGKILLed in the second batch of the first
   step: bit-equal to the same fit uninterrupted (no snapshot of a half-accumulated step).
+- Validating every 4 steps, rank 1 SIGKILLed in the validation run after step 12: step 12
+  is done again, with its validation, and the weights are bit-equal.
 - With PowerSGD, rank 1 SIGKILLed after 13 steps of the Trainer fit and the Fabric loop:
   bit-equal to the same run uninterrupted (the hook's state is in the snapshots).
 - With PowerSGD, a Trainer checkpoint saved after step 16 and resumed by a new fit with
@@ -135,6 +137,20 @@ def test_a_rank_killed_while_accumulating_resumes_bit_equal(tmp_path: Path, shm:
     out = tmp_path / "accumulate"
     assert "attempt 1" in (out / "killed" / "steps.rank1").read_text(), "it did not restart"
     assert same_weights(out / "killed" / "final.pt", out / "straight" / "final.pt")
+
+
+@pytest.mark.timeout(600)  # a hang guard: two torchrun jobs of Lightning
+def test_a_rank_killed_in_a_validation_run_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
+    """Validation every 4 steps, mid-epoch; rank 1 SIGKILLed in the run after step 12. That
+    run draws from the random generators (its DataLoader's seed) and a resumed fit does not
+    run it again, so step 12's snapshot waits for its end: the restart goes back to step
+    11's, does step 12 and its validation again, and ends bit-equal."""
+    runs = {"validate/straight": ("validate", "-1"), "validate/killed": ("validate", "12")}
+    _run_and_compare(tmp_path, shm, runs)
+    out = tmp_path / "validate"
+    assert same_weights(out / "killed" / "final.pt", out / "straight" / "final.pt")
+    for rank in (0, 1):
+        assert done_twice(out / "killed", rank) == [12], (rank, done_twice(out / "killed", rank))
 
 
 @pytest.mark.timeout(600)  # a hang guard: one torchrun job of two fits

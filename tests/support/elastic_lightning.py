@@ -4,6 +4,8 @@
 epoch) with ``BucketDDP(elastic=True)`` and a plain DataLoader (``trainer``) or a
 StatefulDataLoader (``stateful``), the Trainer fit with ``accumulate_grad_batches=2``
 (``accumulate``: 12 steps, and the kill comes in the second batch of step ``KILL + 1``),
+the Trainer fit validating every 4 steps (``validate``: the kill comes in the validation
+run after step ``KILL``),
 or the same loop under Fabric with
 ``BucketFabricDDP(elastic=True)`` (``fabric``). In attempt 0, rank 1 kills itself
 (SIGKILL) when ``KILL`` steps are done; under ``ELASTIC_SIGNAL=TERM`` rank
@@ -98,6 +100,23 @@ class Module(pl.LightningModule):
         return DataLoader(dataset(), batch_size=BATCH)
 
 
+class Validating(Module):
+    """Validates every 4 steps, mid-epoch (2 batches, the loss logged across ranks); the
+    kill comes in the validation run after step ``kill`` instead of a training step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        _kill_if_due(self.global_rank, self.trainer.global_step, self.kill)
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self) -> Any:
+        return DataLoader(dataset(), batch_size=BATCH)
+
+
 class StepLog(pl.Callback):
     """Logs each step done; a user's callback, so it runs before BucketDDP's snapshot one."""
 
@@ -109,9 +128,13 @@ class StepLog(pl.Callback):
             print(f"step {trainer.global_step} attempt {ATTEMPT}", file=log)
 
 
-def trainer(out: str, kill: int, stateful: bool, accumulate: int = 1) -> None:
-    model = Module(out, kill, stateful)
+def trainer(
+    out: str, kill: int, stateful: bool, accumulate: int = 1, validate: bool = False
+) -> None:
+    model = Validating(out, kill, stateful) if validate else Module(out, kill, stateful)
+    every = {"val_check_interval": 4, "limit_val_batches": 2} if validate else {}
     fit = pl.Trainer(
+        **every,
         accelerator="cpu",
         devices=2,
         strategy=BucketDDP(elastic=True, **_hook()),
@@ -273,6 +296,7 @@ if __name__ == "__main__":
     elif mode == "nodes":
         nodes(out, kill)
     else:
-        trainer(out, kill, stateful=mode == "stateful", accumulate=2 if mode == "accumulate" else 1)
+        accumulate = 2 if mode == "accumulate" else 1
+        trainer(out, kill, mode == "stateful", accumulate, validate=mode == "validate")
     if dist.is_initialized():
         dist.destroy_process_group()

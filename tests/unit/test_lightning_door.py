@@ -48,6 +48,7 @@ DOOR_NAMES = {
     "_launcher",
     "_layer_sync",
     "_set_num_threads_if_needed",
+    "_should_check_val_fx",
     "_setup_distributed",
     "_terminate_all",
     "_wrapping_function",

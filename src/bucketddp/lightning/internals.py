@@ -65,6 +65,7 @@ __all__ = [
     "set_backward_sync_control",
     "set_num_threads",
     "start_children",
+    "validation_follows",
 ]
 
 
@@ -228,6 +229,15 @@ def dump_checkpoint(trainer: Any) -> dict[str, Any]:
     ``trainer._checkpoint_connector.dump_checkpoint``)."""
     checkpoint: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
     return checkpoint
+
+
+def validation_follows(trainer: Any) -> bool:
+    """Whether the fit loop validates right after the training batch that just ended:
+    asked at ``on_train_batch_end``, of Lightning's own test, which the loop runs again
+    just after (checked on 2.4.0, 2.5.6 and 2.6.6: the training epoch loop's
+    ``_should_check_val_fx(data_fetcher)``, and ``FitLoop._data_fetcher``)."""
+    fit_loop = trainer.fit_loop
+    return bool(fit_loop.epoch_loop._should_check_val_fx(fit_loop._data_fetcher))
 
 
 def loader_and_fetcher(fit_loop: Any) -> tuple[Any, Any]:

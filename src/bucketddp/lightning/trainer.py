@@ -360,6 +360,15 @@ class BucketDDP(TrainerStrategyHooks, DDPStrategy):
         super().on_validation_start()
 
     @override
+    def on_validation_end(self) -> None:
+        """Under ``elastic=True``, a validation run inside the fit ends: the snapshot of the
+        step before it is taken now, after every callback's ``on_validation_end``."""
+        super().on_validation_end()
+        module, wrapped = self.lightning_module, self._wrapped
+        if self._elastic is not None and module is not None and wrapped is not None:
+            self._elastic.validation_ended(module.trainer, wrapped, self.plan_entry())
+
+    @override
     def on_test_start(self) -> None:
         """Sync buffers by their policies, so every rank tests the same model."""
         self._sync_buffers()

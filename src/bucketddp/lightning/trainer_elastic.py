@@ -11,8 +11,9 @@ to the Trainer, through the strategy's hooks and one callback:
   ``ElasticSampler`` following its epoch, so a resumed epoch goes on with the samples no
   rank has used yet, at any world size;
 - after each ``snapshot_every``-th optimizer step (``on_train_batch_end``, where a
-  ``ModelCheckpoint(every_n_train_steps=...)`` saves), the checkpoint Lightning would save
-  goes to shared memory instead, with each rank's RNG states and own buffers (``own_buffers``);
+  ``ModelCheckpoint(every_n_train_steps=...)`` saves; or, when a mid-epoch validation run
+  follows, at its end), the checkpoint Lightning would save goes to shared memory instead,
+  with each rank's RNG states and own buffers (``own_buffers``);
 - the communication hook's state (PowerSGD's) goes with them: what every rank shares in
   the checkpoint, the rest with the rank's own part (``bucketddp.hook_state``);
 - the first training step after a resume puts those back;
@@ -60,7 +61,7 @@ from ..elastic.sampler import ElasticSampler
 from ..elastic.session import Session, open_session
 from ..notice import NOTICE
 from ..parallel import BucketDataParallel
-from .internals import dump_checkpoint
+from .internals import dump_checkpoint, validation_follows
 
 TOKEN = "bucketddp-elastic://newest-snapshot"
 """The ``ckpt_path`` that stands for the agreed snapshot."""
@@ -118,6 +119,7 @@ class TrainerElastic:
         # The comm hook's (shared entry, own part), until the first training step.
         self._hook: tuple[dict[str, Any], Any] | None = None
         self._last_step = -1
+        self._after_validation = False  # the batch's snapshot waits for the validation run
         self._finished = False  # resumed at the end of a finished fit: no step is left
         self._resized = False  # resumed at another world size; the epoch's count to redo
 
@@ -240,6 +242,31 @@ class TrainerElastic:
             load_own_buffers(wrapped, own["buffers"])
             self._own = None
 
+    def batch_ended(self, trainer: Any, wrapped: BucketDataParallel, plan: dict[str, Any]) -> None:
+        """A training batch ended: ``snapshot`` now, or, when the fit loop validates next
+        mid-epoch, once that run has ended (``validation_ended``); a stop signal waits for
+        it too. A validation run changes the state: it draws from the random generators
+        (its ``DataLoader`` iterator draws a seed), and callbacks act on its metrics. A fit
+        resumed from the batch's end counts that run done and skips it, so a rank killed
+        in it or in the next step would resume differently. At an epoch's end the
+        snapshot stays at the batch's end: there Lightning's resume goes through the
+        epoch's end again, and resumed runs are bit-equal (a post-validation state there
+        was not: checked with kills before, in and after the epoch-end run)."""
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        mid_epoch = processed < trainer.num_training_batches
+        self._after_validation = mid_epoch and validation_follows(trainer)
+        if not self._after_validation:
+            self.snapshot(trainer, wrapped, plan)
+
+    def validation_ended(
+        self, trainer: Any, wrapped: BucketDataParallel, plan: dict[str, Any]
+    ) -> None:
+        """A validation run of the fit ended (the strategy's ``on_validation_end``, after
+        every callback's): take the snapshot that waited for it."""
+        if self._after_validation:
+            self._after_validation = False
+            self.snapshot(trainer, wrapped, plan)
+
     def snapshot(self, trainer: Any, wrapped: BucketDataParallel, plan: dict[str, Any]) -> None:
         """After an optimizer step, if a snapshot is due: take it."""
         step = trainer.global_step
@@ -321,11 +348,12 @@ class _Snapshots(Callback):
         self.elastic.listen(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
-        """Snapshot after an optimizer step, when one is due."""
+        """Snapshot after an optimizer step, when one is due (or after the validation run
+        that follows: ``TrainerElastic.batch_ended``)."""
         strategy = trainer.strategy
         wrapped = getattr(strategy, "_wrapped", None)
         if wrapped is not None:
-            self.elastic.snapshot(trainer, wrapped, strategy.plan_entry())
+            self.elastic.batch_ended(trainer, wrapped, strategy.plan_entry())
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """The last snapshot's copy of the parameters and optimizer states is done before
