@@ -249,9 +249,10 @@ class TrainerElastic:
         (its ``DataLoader`` iterator draws a seed), and callbacks act on its metrics. A fit
         resumed from the batch's end counts that run done and skips it, so a rank killed
         in it or in the next step would resume differently. At an epoch's end the
-        snapshot stays at the batch's end: there Lightning's resume goes through the
-        epoch's end again, and resumed runs are bit-equal (a post-validation state there
-        was not: checked with kills before, in and after the epoch-end run)."""
+        snapshot stays at the batch's end, where a resumed fit starts the next epoch
+        without running that epoch's end again (docs/elastic.md): the weights resumed
+        bit-equal from there in the checks, and not from a post-validation state, whose
+        resume made the next epoch's loader draw its seed from other generator states."""
         processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         mid_epoch = processed < trainer.num_training_batches
         self._after_validation = mid_epoch and validation_follows(trainer)
