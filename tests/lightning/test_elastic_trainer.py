@@ -13,7 +13,8 @@
 - With ``accumulate_grad_batches=2``, rank 1 SIGKILLed in the second batch of the first
   step: bit-equal to the same fit uninterrupted (no snapshot of a half-accumulated step).
 - Validating every 4 steps, rank 1 SIGKILLed in the validation run after step 12: step 12
-  is done again, with its validation, and the weights are bit-equal.
+  is done again, with its validation, and the weights are bit-equal; SIGTERM to rank 1 in
+  step 12: every rank stops after that validation run, and nothing is done twice.
 - With PowerSGD, rank 1 SIGKILLed after 13 steps of the Trainer fit and the Fabric loop:
   bit-equal to the same run uninterrupted (the hook's state is in the snapshots).
 - With PowerSGD, a Trainer checkpoint saved after step 16 and resumed by a new fit with
@@ -144,13 +145,26 @@ def test_a_rank_killed_in_a_validation_run_resumes_bit_equal(tmp_path: Path, shm
     """Validation every 4 steps, mid-epoch; rank 1 SIGKILLed in the run after step 12. That
     run draws from the random generators (its DataLoader's seed) and a resumed fit does not
     run it again, so step 12's snapshot waits for its end: the restart goes back to step
-    11's, does step 12 and its validation again, and ends bit-equal."""
-    runs = {"validate/straight": ("validate", "-1"), "validate/killed": ("validate", "12")}
-    _run_and_compare(tmp_path, shm, runs)
+    11's, does step 12 and its validation again, and ends bit-equal. A SIGTERM to rank 1 in
+    step 12 stops every rank after that validation run: each run and step is done once."""
+    runs = {
+        "validate/straight": ("validate", "-1"),
+        "validate/killed": ("validate", "12"),
+        "validate/sigterm1": ("validate", "11"),
+    }
+    outputs = _run_and_compare(tmp_path, shm, runs)
     out = tmp_path / "validate"
-    assert same_weights(out / "killed" / "final.pt", out / "straight" / "final.pt")
+    for name in ("killed", "sigterm1"):
+        assert same_weights(out / name / "final.pt", out / "straight" / "final.pt"), name
     for rank in (0, 1):
         assert done_twice(out / "killed", rank) == [12], (rank, done_twice(out / "killed", rank))
+        # SIGTERM in step 12: the ranks stop after the validation run that follows it.
+        runs_by_attempt = (out / "sigterm1" / f"val.rank{rank}").read_text().splitlines()
+        assert runs_by_attempt == [
+            *(f"val {s} attempt 0" for s in (4, 8, 12)),
+            *(f"val {s} attempt 1" for s in (16, 20, 24)),
+        ], (rank, runs_by_attempt)
+    assert_stopped_together(out / "sigterm1", outputs["validate/sigterm1"], stop=12)
 
 
 @pytest.mark.timeout(600)  # a hang guard: one torchrun job of two fits
@@ -194,10 +208,10 @@ def _run_and_compare(
     runs: dict[str, tuple[str, str]],
     straight: Path | None = None,
     env: dict[str, str] | None = None,
-) -> None:
+) -> dict[str, str]:
     """Run ``runs`` (name: mode, step), 3 at a time (``env`` added to each), and compare
     each with the uninterrupted run of its family in ``straight`` (with none given: only
-    run them)."""
+    run them). Returns each run's output."""
     outputs: dict[str, str] = {}
 
     def run(name: str) -> None:
@@ -215,7 +229,7 @@ def _run_and_compare(
     for name, output in outputs.items():  # ranks that remove them on their way out race
         assert "could not remove" not in output, (name, output[-3000:])
     if straight is None:
-        return
+        return outputs
     for name in runs:
         out, family = tmp_path / name, name.split("/")[0]
         reference = straight / ("fabric" if family == "fabric" else "trainer")
@@ -228,6 +242,7 @@ def _run_and_compare(
             assert_stopped_together(out, outputs[name], stop=14)
         else:
             assert "attempt 1" in (out / "steps.rank1").read_text(), f"{name} did not restart"
+    return outputs
 
 
 def _agent(out: Path, port: int, host: bool, env: dict[str, str]) -> subprocess.Popen[bytes]:

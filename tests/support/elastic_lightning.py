@@ -101,14 +101,19 @@ class Module(pl.LightningModule):
 
 
 class Validating(Module):
-    """Validates every 4 steps, mid-epoch (2 batches, the loss logged across ranks); the
-    kill comes in the validation run after step ``kill`` instead of a training step."""
+    """Validates every 4 steps, mid-epoch (2 batches, the loss logged across ranks), and
+    logs each run to ``OUT/val.rank<R>``; the kill comes in the validation run after step
+    ``kill`` instead of a training step (a stop signal, in the step after ``kill``)."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        notice_due(self.global_rank, self.trainer.global_step, self.kill)
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0 and not self.trainer.sanity_checking:
+            with open(f"{self.out}/val.rank{self.global_rank}", "a") as log:
+                print(f"val {self.trainer.global_step} attempt {ATTEMPT}", file=log)
         _kill_if_due(self.global_rank, self.trainer.global_step, self.kill)
         x, y = batch
         self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
