@@ -364,7 +364,9 @@ class Reducer(ReducerState):
         sparse = self.sparse
         self.clock.finish(
             self.buckets,
-            collectives=len(self.buckets) + len(self.unslotted) + self.launcher.extra_collectives,
+            collectives=len(self.buckets)
+            + (sparse.collectives if sparse is not None else 0)
+            + self.launcher.extra_collectives,
             bytes_reduced=self.storage.nbytes + (sparse.nbytes() if sparse is not None else 0),
             wait_seconds=time.perf_counter() - start,
             buckets=len(self.buckets),
@@ -422,7 +424,7 @@ class Reducer(ReducerState):
 
     # ------------------------------------------------------- seams for the plug-ins
     def _before_last(self) -> None:
-        """Launch the sparse all-reduces, then write this rank's agreement row."""
+        """Launch the sparse gradients' reduction, then write this rank's agreement row."""
         if self.sparse is not None:
             self.sparse.launch(self.used, self.divisor)
         changes = (

@@ -32,6 +32,7 @@ from ..comm_hooks import (
     run_hook,
 )
 from . import errors
+from .sparse import SparseGradients
 from .state import FiniteGuard, Launcher, ReducerState
 from .storage import Bucket, slot_views
 
@@ -57,18 +58,23 @@ class AllReduceLauncher:
             bucket.wait()
 
     def reduce_copies(
-        self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]
+        self,
+        storages: list[torch.Tensor],
+        buckets: Sequence[Bucket],
+        sparse: SparseGradients | None,
     ) -> None:
         """Reduce stand-ins for ``buckets`` (a joined rank's zeros), in launch order.
 
-        ``sparse`` gradients go just before the last bucket, as in a step.
+        Empty ``sparse`` gradients go just before the last bucket, as in a step.
         """
         works = [self._sum(on_wire(t)) for t in storages[:-1]]
-        group = self._sum.group
-        works += [dist.all_reduce(t, group=group, async_op=True) for t in sparse]
+        if sparse is not None:
+            sparse.launch_stand_ins()
         works.append(self._sum(on_wire(storages[-1])))
         for work in works:
             work.wait()
+        if sparse is not None:
+            sparse.wait()
 
 
 class HookLauncher:
@@ -228,11 +234,14 @@ class HookLauncher:
         self._finish_row(row, take_results, riding)
 
     def reduce_copies(
-        self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]
+        self,
+        storages: list[torch.Tensor],
+        buckets: Sequence[Bucket],
+        sparse: SparseGradients | None,
     ) -> None:
         """Run the hook on stand-ins for ``buckets`` (a joined rank's zeros), then the row.
 
-        ``sparse`` is always empty: a hook is refused for sparse gradients.
+        ``sparse`` is always None: a hook is refused for sparse gradients.
         """
         grads = [s[: b.grads.numel()] for b, s in zip(buckets, storages, strict=True)]
         riding = self._rides(storages[-1])
@@ -274,7 +283,10 @@ class CheckedLauncher:
         self.inner.wait_all(buckets)
 
     def reduce_copies(
-        self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]
+        self,
+        storages: list[torch.Tensor],
+        buckets: Sequence[Bucket],
+        sparse: SparseGradients | None,
     ) -> None:
         """A joined rank's zeros: nothing to check."""
         self.inner.reduce_copies(storages, buckets, sparse)

@@ -65,7 +65,7 @@ def same_buckets(a: BucketPlan, b: BucketPlan) -> bool:
 def sparse_gradients(m: Members, group: dist.ProcessGroup | None) -> SparseGradients | None:
     """What reduces the sparse gradients of ``m``'s members, or None without any."""
     sparse = sorted(m.unslotted)
-    return SparseGradients(sparse, m.params, group) if sparse else None
+    return SparseGradients(sparse, m.params, m.names, group) if sparse else None
 
 
 def hook_members(r: ReducerState) -> tuple[list[GradientHook], list[RemovableHandle]]:

@@ -29,8 +29,7 @@ def shadow_backward(r: ReducerState) -> None:
     storages = [torch.zeros_like(b.storage) for b in r.buckets]
     table, agreement = r.row.stand_in(storages[-1][r.buckets[-1].grads.numel() :])
     write_agreement(agreement, r)
-    sparse = r.sparse.stand_ins() if r.sparse is not None else []
-    r.launcher.reduce_copies(storages, r.buckets, sparse)
+    r.launcher.reduce_copies(storages, r.buckets, r.sparse)
     error, _, joined = check(r, *r.row.read(table), False)
     if error is None and joined:
         # Parameters now trainable on every rank (this one unfroze them before joining):

@@ -63,7 +63,10 @@ class Launcher(Protocol):
         ...
 
     def reduce_copies(
-        self, storages: list[torch.Tensor], buckets: Sequence[Bucket], sparse: list[torch.Tensor]
+        self,
+        storages: list[torch.Tensor],
+        buckets: Sequence[Bucket],
+        sparse: SparseGradients | None,
     ) -> None:
         """Reduce stand-ins for ``buckets`` (a joined rank's zeros), in launch order."""
         ...
