@@ -6,13 +6,13 @@ sparse parameter with no gradient since the last synced backward (unused, or fro
 sends an empty one, so that every rank launches the same collectives.
 
 The average is built from two dense all-gathers, not from ``all_reduce`` on a sparse
-tensor: gloo's sparse all-reduce corrupts the process's heap now and then when two run at
-once (torch 2.13; here about once in 20,000 steps, beside other jobs), which ends the rank
-with a segfault or an abort. First every rank's row counts are gathered, in a blocking
-call, since the second gather's size depends on them. Then every rank's indices and
-values, packed as bytes and padded to the largest rank's, in one all-gather that runs
-beside the last bucket. Each rank sums the ranks' gradients in rank order and coalesces
-the sum: the arithmetic of gloo's sparse all-reduce, so the result equals torch DDP's.
+tensor: gloo's sparse all-reduce corrupts the process's heap now and then when two are in
+flight (torch 2.13), which ends the rank with a segfault or an abort. First every rank's
+row counts are gathered, in a blocking call, since the second gather's size depends on
+them. Then every rank's indices and values, packed as bytes and padded to the largest
+rank's, in one all-gather that runs beside the last bucket. Each rank sums the ranks'
+gradients in rank order and coalesces the sum: the arithmetic of gloo's sparse all-reduce,
+so the result equals torch DDP's.
 """
 
 from __future__ import annotations
