@@ -48,6 +48,7 @@ class SparseGradients:
         self._received: list[torch.Tensor] = []
         self._counts: list[list[list[int]]] = []  # [rank][parameter] = [nnz, sparse_dim]
         self._dims: list[int] = []  # per parameter: its gradients' sparse dimensions
+        self._shapes: list[list[_Part]] = []  # [rank][parameter]: what that rank sent
         self._wire = 0
 
     def launch(self, used: list[bool], divisor: int) -> None:
@@ -82,7 +83,8 @@ class SparseGradients:
         dist.all_gather(gathered, mine, group=self._group)
         self._counts = [g.tolist() for g in gathered]
         self._agree_dims()
-        width = max(max(self._packed_bytes(rank) for rank in range(world)), _ALIGN)
+        self._shapes = [self._parts(rank) for rank in range(world)]
+        width = max(max(_packed_bytes(parts) for parts in self._shapes), _ALIGN)
         payload = torch.zeros(width, dtype=torch.uint8, device=device)
         offset = 0
         for t in local:
@@ -106,21 +108,15 @@ class SparseGradients:
                 )
             self._dims.append(dims.pop() if dims else self._counts[0][p][1])
 
-    def _parts(self, rank: int) -> list[tuple[torch.Size, torch.Size]]:
-        """The shapes of ``rank``'s indices and values, per parameter."""
+    def _parts(self, rank: int) -> list[_Part]:
+        """The shapes of ``rank``'s indices and values, and the values' dtype, per parameter."""
         shapes = []
         for p, i in enumerate(self.indices):
             nnz, sparse_dim = self._counts[rank][p][0], self._dims[p]
-            shape = self.params[i].shape
-            shapes.append((torch.Size((sparse_dim, nnz)), torch.Size((nnz, *shape[sparse_dim:]))))
+            param = self.params[i]
+            values = torch.Size((nnz, *param.shape[sparse_dim:]))
+            shapes.append((torch.Size((sparse_dim, nnz)), values, param.dtype))
         return shapes
-
-    def _packed_bytes(self, rank: int) -> int:
-        total = 0
-        for (ind, val), i in zip(self._parts(rank), self.indices, strict=True):
-            total += _aligned(ind.numel() * 8)
-            total += _aligned(val.numel() * self.params[i].element_size())
-        return total
 
     def wait(self) -> None:
         """Wait for the gradients of this step, and write each average into its tensor."""
@@ -128,7 +124,8 @@ class SparseGradients:
             return
         self._work.wait()
         self._work = None
-        ranks = [self._unpack(rank, buffer) for rank, buffer in enumerate(self._received)]
+        received = zip(self._shapes, self._received, strict=True)
+        ranks = [_unpack(parts, buffer) for parts, buffer in received]
         with torch.no_grad():
             for p, sent in enumerate(self.sent):
                 total = _coo(*ranks[0][p], sent.shape)
@@ -136,16 +133,7 @@ class SparseGradients:
                     total += _coo(*parts[p], sent.shape)
                 sent.copy_(total.coalesce())
         self._received = []
-
-    def _unpack(self, rank: int, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out = []
-        offset = 0
-        for (ind, val), i in zip(self._parts(rank), self.indices, strict=True):
-            dtype = self.params[i].dtype
-            indices, offset = _take(buffer, offset, torch.long, ind)
-            values, offset = _take(buffer, offset, dtype, val)
-            out.append((indices, values))
-        return out
+        self._shapes = []
 
     def take_used(self, used_anywhere: list[bool]) -> None:
         """find_unused_parameters: a parameter unused here but used elsewhere takes the average."""
@@ -158,21 +146,45 @@ class SparseGradients:
         self.sent = []
         self._work = None
         self._received = []
+        self._shapes = []
 
     def nbytes(self) -> int:
         """Bytes this rank put on the wire for the step's sparse gradients."""
         return self._wire
 
 
+_Part = tuple[torch.Size, torch.Size, torch.dtype]  # indices' shape, values' shape and dtype
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _packed_bytes(parts: list[_Part]) -> int:
+    """The bytes one rank's gradients take in the payload, each part aligned."""
+    total = 0
+    for ind, val, dtype in parts:
+        total += _aligned(ind.numel() * torch.long.itemsize)
+        total += _aligned(val.numel() * dtype.itemsize)
+    return total
+
+
+def _unpack(parts: list[_Part], buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One rank's indices and values, copied out of its received ``buffer``."""
+    out = []
+    offset = 0
+    for ind, val, dtype in parts:
+        indices, offset = _take(buffer, offset, torch.long, ind)
+        values, offset = _take(buffer, offset, dtype, val)
+        out.append((indices, values))
+    return out
 
 
 def _take(
     buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size
 ) -> tuple[torch.Tensor, int]:
     """The tensor of ``dtype`` and ``shape`` packed at ``offset`` in ``buffer``; the next offset."""
-    nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = shape.numel() * dtype.itemsize
     part = buffer[offset : offset + nbytes].view(dtype).reshape(shape).clone()
     return part, offset + _aligned(nbytes)
 

@@ -177,7 +177,7 @@ class BucketStorage:
             for i in unslotted:
                 self.bucket_of[i] = self.buckets[-1]
         self.ptrs = [v.data_ptr() for v in self.views]
-        self.nbytes = sum(nbytes(b.storage) for b in self.buckets)
+        self.nbytes = sum(b.storage.numel() * b.storage.element_size() for b in self.buckets)
 
     def _owned(self, storage: torch.Tensor) -> torch.Tensor:
         setattr(storage, OWNER, self._owner)
@@ -287,10 +287,3 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def nbytes(t: torch.Tensor) -> int:
-    """Bytes a tensor puts on the wire: a sparse one's indices and values."""
-    if t.layout == torch.sparse_coo:
-        return nbytes(t._indices()) + nbytes(t._values())
-    return t.numel() * t.element_size()
