@@ -25,7 +25,7 @@ class ParamInfo:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,6 @@ class BucketPlan:
 def cap_bytes(megabytes: float) -> int:
     """A bucket size in bytes, at least one: a tiny size means one parameter per bucket."""
     return max(1, int(megabytes * MB))
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def plan_buckets(
@@ -156,7 +152,7 @@ def plan_buckets(
                 index=i,
                 names=tuple(names),
                 numel=numel,
-                nbytes=numel * _itemsize(first.dtype),
+                nbytes=numel * first.dtype.itemsize,
                 dtype=first.dtype,
                 device=first.device,
             )

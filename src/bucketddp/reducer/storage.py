@@ -177,7 +177,7 @@ class BucketStorage:
             for i in unslotted:
                 self.bucket_of[i] = self.buckets[-1]
         self.ptrs = [v.data_ptr() for v in self.views]
-        self.nbytes = sum(b.storage.numel() * b.storage.element_size() for b in self.buckets)
+        self.nbytes = sum(b.storage.nbytes for b in self.buckets)
 
     def _owned(self, storage: torch.Tensor) -> torch.Tensor:
         setattr(storage, OWNER, self._owner)
