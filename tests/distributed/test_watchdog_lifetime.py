@@ -83,9 +83,19 @@ def _train_behind_held_store(rank: int, world: int, *ports_and_flag: Any) -> Any
             model.zero_grad()
             model(x).square().sum().backward()
     grads = [(a.grad, b.grad) for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)]
+    # The watchdogs of ranks 1.. dial on their own threads, maybe after the steps above:
+    # every rank stays until the proxy holds a connection from each of them.
+    _wait_for_held(Path(ports_and_flag[-1]).parent, world - 1)
     dog = current()
     connected = dog is not None and dog.board.wait_connected(0.0)
     return built_s, reference_s, grads, connected
+
+
+def _wait_for_held(folder: Path, count: int) -> None:
+    deadline = time.monotonic() + HANG_GUARD
+    while len(list(folder.glob("held-*"))) < count:
+        assert time.monotonic() < deadline, f"the proxy never held {count} connections"
+        time.sleep(0.05)
 
 
 def test_wrappers_are_built_while_the_store_holds_new_connections(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@
 The ranks other than 0 reach rank 0's TCPStore through it. It forwards every connection
 at once until the file ``hold_after`` exists (the ranks create it once their process group
 has formed, however many connections that took), and holds every later one: accepted, but
-not forwarded until the file ``release`` exists (``None``: until the proxy closes).
+not forwarded until the file ``release`` exists (``None``: until the proxy closes). Each
+held connection also leaves a file ``held-N`` beside ``hold_after``, so that the ranks can
+wait until theirs is held.
 That is what a store's host does while it resolves a new client's name on a slow name
 server, the cause of wrappers that hung in their construction.
 """
@@ -54,7 +56,9 @@ class HoldingProxy:
             self._sockets.append(conn)
             self.accepted += 1
             hold = self._hold_after.exists()
-            self.held += hold
+            if hold:
+                self.held += 1
+                (self._hold_after.parent / f"held-{self.held}").touch()
             threading.Thread(target=self._serve, args=(conn, hold), daemon=True).start()
 
     def _serve(self, conn: socket.socket, hold: bool) -> None:
