@@ -45,6 +45,7 @@ from .launch import AllReduceLauncher, checked, hook_launcher
 from .members import Members
 from .module_changes import ModuleChanges
 from .order import checkpoint_plan, learned_plan
+from .prefill import UNIT, average_prefilled, prefill
 from .requires_grad import RequiresGradWatch, reduce_joined
 from .state import BufferLayout, Launcher, ReducerState
 from .static_graph import StaticGraph
@@ -260,6 +261,8 @@ class Reducer(ReducerState):
 
     def stage(self, i: int, param: torch.Tensor) -> None:
         """Put parameter ``i``'s gradient in its bucket slot, then launch what is due."""
+        if self.n_ready == 1 and self.gradient_as_bucket_view and not self.find_unused_parameters:
+            prefill(self, i)  # the step's first gradient: the others may go in place
         grad = param.grad
         view = self.fill_slot(i, grad)
         if self.gradient_as_bucket_view and grad is not view:
@@ -278,7 +281,8 @@ class Reducer(ReducerState):
 
         Averaging before the sum is torch DDP's order, and so is the arithmetic: a copied
         gradient is multiplied by ``1 / world_size`` on its way in (``out=`` fuses the two),
-        a gradient accumulated in place is divided.
+        a gradient accumulated in place is divided. A prefilled bucket (``prefill.py``) is
+        multiplied as a whole when it launches instead.
         """
         view = self.views[i]
         if view.data_ptr() != self.ptrs[i]:
@@ -288,8 +292,9 @@ class Reducer(ReducerState):
         bucket = self.bucket_of[i]
         first = not bucket.written
         bucket.written = True
-        if grad is view:
-            view.div_(bucket.divisor)  # accumulated in place, in the slot
+        if grad is view:  # accumulated in place, in the slot
+            if not bucket.prefilled:  # else averaged at its launch (prefill.py)
+                view.div_(bucket.divisor)
             return view
         if sys.getrefcount(view) > SOLE_REFS:
             # Someone kept this slot's view, the .grad of an earlier step.
@@ -303,7 +308,8 @@ class Reducer(ReducerState):
         if grad.layout != torch.strided or grad._base is not None or grad.dtype != view.dtype:
             errors.check_gradient(self.names[i], grad, view, self.storage)
         try:
-            torch.mul(grad, bucket.scale, out=view)
+            # A prefilled bucket is averaged at its launch, this slot with the rest.
+            torch.mul(grad, UNIT if bucket.prefilled else bucket.scale, out=view)
         except RuntimeError:
             if grad.requires_grad:
                 raise RuntimeError(errors.create_graph(self.names[i])) from None
@@ -318,6 +324,8 @@ class Reducer(ReducerState):
             last = bucket.row is not None
             if last:  # the last bucket: what rides on it goes first
                 self._before_last()
+            if bucket.prefilled:
+                average_prefilled(bucket, self.launcher.averages)
             bucket.work = self.launcher.launch(self._next, bucket)
             self.clock.launched(self._next, bucket.work, last=last)
             self._next += 1
@@ -421,6 +429,7 @@ class Reducer(ReducerState):
         for bucket in self.buckets:
             bucket.pending = bucket.expected
             bucket.written = False
+            bucket.prefilled = False
 
     # ------------------------------------------------------- seams for the plug-ins
     def _before_last(self) -> None:

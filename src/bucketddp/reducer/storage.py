@@ -37,6 +37,7 @@ class Bucket:
         "own_tensors",
         "params",
         "pending",
+        "prefilled",
         "ready_at",
         "row",
         "scale",
@@ -73,6 +74,8 @@ class Bucket:
         # whether a slot of it was written in this backward yet.
         self.own_tensors = 0
         self.written = False
+        # Whether its slots were made .grad, zeroed, at this backward's start (prefill.py).
+        self.prefilled = False
         # The averaging factors (see Reducer.set_scales).
         self.scale = self.divisor = torch.ones(())
         # The views a communication hook's GradBucket.gradients() returns, made at its first
