@@ -45,7 +45,7 @@ from .launch import AllReduceLauncher, checked, hook_launcher
 from .members import Members
 from .module_changes import ModuleChanges
 from .order import checkpoint_plan, learned_plan
-from .prefill import UNIT, average_prefilled, prefill
+from .prefill import average_placed, prefill
 from .requires_grad import RequiresGradWatch, reduce_joined
 from .state import BufferLayout, Launcher, ReducerState
 from .static_graph import StaticGraph
@@ -281,8 +281,8 @@ class Reducer(ReducerState):
 
         Averaging before the sum is torch DDP's order, and so is the arithmetic: a copied
         gradient is multiplied by ``1 / world_size`` on its way in (``out=`` fuses the two),
-        a gradient accumulated in place is divided. A prefilled bucket (``prefill.py``) is
-        multiplied as a whole when it launches instead.
+        a gradient accumulated in place is divided. The gradients placed in their slots
+        (``prefill.py``) are multiplied when their bucket launches instead.
         """
         view = self.views[i]
         if view.data_ptr() != self.ptrs[i]:
@@ -293,23 +293,25 @@ class Reducer(ReducerState):
         first = not bucket.written
         bucket.written = True
         if grad is view:  # accumulated in place, in the slot
-            if not bucket.prefilled:  # else averaged at its launch (prefill.py)
+            if i not in bucket.placed:  # else averaged at its launch (prefill.py)
                 view.div_(bucket.divisor)
             return view
         if sys.getrefcount(view) > SOLE_REFS:
             # Someone kept this slot's view, the .grad of an earlier step.
             view = copy_on_write(self.storage, i)
-        if first and kept_elsewhere(self.storage, bucket):
-            # Someone kept another tensor on the bucket's memory from an earlier step.
+        if first and not bucket.placed and kept_elsewhere(self.storage, bucket):
+            # Someone kept another tensor on the bucket's memory from an earlier step (for
+            # a bucket with placed slots, prefill checked; the bucket must not move now).
             view = move_bucket(self.storage, bucket, self.row, i)
         if grad is None:
             view.zero_()
             return view
+        if bucket.placed:
+            bucket.placed.discard(i)  # placed, but its .grad was replaced since: copied
         if grad.layout != torch.strided or grad._base is not None or grad.dtype != view.dtype:
             errors.check_gradient(self.names[i], grad, view, self.storage)
         try:
-            # A prefilled bucket is averaged at its launch, this slot with the rest.
-            torch.mul(grad, UNIT if bucket.prefilled else bucket.scale, out=view)
+            torch.mul(grad, bucket.scale, out=view)
         except RuntimeError:
             if grad.requires_grad:
                 raise RuntimeError(errors.create_graph(self.names[i])) from None
@@ -324,8 +326,8 @@ class Reducer(ReducerState):
             last = bucket.row is not None
             if last:  # the last bucket: what rides on it goes first
                 self._before_last()
-            if bucket.prefilled:
-                average_prefilled(bucket, self.launcher.averages)
+            if bucket.placed:
+                average_placed(self, bucket)
             bucket.work = self.launcher.launch(self._next, bucket)
             self.clock.launched(self._next, bucket.work, last=last)
             self._next += 1
@@ -429,7 +431,7 @@ class Reducer(ReducerState):
         for bucket in self.buckets:
             bucket.pending = bucket.expected
             bucket.written = False
-            bucket.prefilled = False
+            bucket.placed.clear()
 
     # ------------------------------------------------------- seams for the plug-ins
     def _before_last(self) -> None:

@@ -1,19 +1,21 @@
-"""Slots as ``.grad`` during the backward: gradients accumulate in their buckets.
+"""Small gradients accumulated straight into their slots, with no copy.
 
 A gradient that lands in a fresh ``.grad`` must be copied into its slot by a Python hook,
-and reading that ``.grad`` makes a Python object for it: about 4 µs per parameter per
+and reading that ``.grad`` makes a Python object for it: about 3 µs per parameter per
 step, which torch DDP's C++ reducer does not pay. So at the first gradient of a synced
-backward, every bucket whose parameters have no ``.grad`` yet (the common step, after
-``zero_grad(set_to_none=True)``) is zeroed and its slots set as their ``.grad``: autograd
-then adds each gradient into its slot itself, the hook only counts it, and the bucket is
-averaged once, as it launches. Done in the backward, not before it, so that a backward
-that does not accumulate (``torch.autograd.grad``) leaves ``.grad`` alone.
+backward, each small parameter (``storage.SMALL`` elements at most) with no ``.grad`` yet
+(the common step, after ``zero_grad(set_to_none=True)``) gets its zeroed slot as
+``.grad``: autograd then adds the gradient into the slot itself, the hook only counts it,
+and the placed slots of a bucket are averaged in one call as it launches. Done in the
+backward, not before it, so that a backward that does not accumulate
+(``torch.autograd.grad``) leaves ``.grad`` alone. Larger gradients are copied as before:
+for them, zeroing the slot and a second pass over it cost more than the copy saves.
 
 Only with ``gradient_as_bucket_view`` (the default), whose ``.grad`` tensors are the slots
-after the step anyway. A slot is only prefilled while nobody but the reducer holds it
+after the step anyway. A slot is only placed while nobody but the reducer holds it
 (``kept_grads.py``), so a ``.grad`` kept from an earlier step never changes; a frozen
 parameter's ``.grad`` stays None. Not with ``find_unused_parameters``: a parameter the
-graph reached without a gradient stays unused there, where a prefilled one would count as
+graph reached without a gradient stays unused there, where a placed one would count as
 used, with zeros.
 """
 
@@ -27,50 +29,44 @@ from .kept_grads import SOLE_REFS, kept_elsewhere
 from .state import ReducerState
 from .storage import Bucket
 
-UNIT = torch.ones(())
-"""The factor of a gradient copied into a prefilled bucket: it is averaged at launch."""
-
 
 def prefill(r: ReducerState, first: int) -> None:
-    """Zero each bucket that can take its gradients in place, and make its slots ``.grad``.
+    """Zero the small slots that can take their gradients in place, and make them ``.grad``.
 
-    Called at the step's ``first`` gradient, about to be staged: its slot is zeroed with
-    the rest, and takes a copy.
+    Called at the step's ``first`` gradient, about to be copied into its slot.
     """
     views = r.views
     current = r.params[first]
     for bucket in r.buckets:
-        params = bucket.params
-        if not params or any(
-            (p.grad is not None and p is not current) or not p.requires_grad for p in params
-        ):
-            continue  # a .grad to add to, or a frozen parameter (its .grad stays None)
-        members = bucket.members
-        if _kept(views, members):
+        if not bucket.small:
+            continue
+        # Not: a .grad to add to, a frozen parameter (its .grad stays None), or this one.
+        placed = [
+            i for i, p in bucket.small if p.grad is None and p.requires_grad and p is not current
+        ]
+        if not placed or _kept(views, placed) or kept_elsewhere(r.storage, bucket):
             continue  # a .grad kept from an earlier step: fill_slot copies on write
-        if kept_elsewhere(r.storage, bucket):
-            continue  # another tensor on this memory: fill_slot moves the bucket
-        bucket.grads.zero_()
-        placed = []
+        slots = [views[i] for i in placed]
+        torch._foreach_zero_(slots)
+        done = []
         try:
-            for i, p in zip(members, params, strict=True):
-                if p is not current:
-                    p.grad = views[i]
-                    placed.append(p)
+            for i, slot in zip(placed, slots, strict=True):
+                r.params[i].grad = slot
+                done.append(i)
         except RuntimeError:
             # A parameter converted after wrapping (.double()): torch refuses the slot as
             # its .grad, and the copy in fill_slot names the conversion.
-            for p in placed:
-                p.grad = None
+            for i in done:
+                r.params[i].grad = None
             continue
-        bucket.prefilled = True
+        bucket.placed = set(placed)
 
 
-def average_prefilled(bucket: Bucket, averages: bool) -> None:
-    """Average a prefilled bucket's gradients, once, before it launches."""
-    bucket.prefilled = False
-    if not averages:
-        bucket.grads.mul_(bucket.scale)
+def average_placed(r: ReducerState, bucket: Bucket) -> None:
+    """Average the gradients placed in ``bucket``'s slots, in one call, before it launches."""
+    if not r.launcher.averages:
+        torch._foreach_mul_([r.views[i] for i in bucket.placed], bucket.scale)
+    bucket.placed = set()
 
 
 def _kept(views: list[torch.Tensor], members: list[int]) -> bool:

@@ -24,6 +24,11 @@ from ..comm import wait_kept
 # wrappers reduce one parameter in the same backward.
 OWNER = "_bucketddp_owner"
 
+SMALL = 2048
+"""Elements up to which a gradient is accumulated straight in its slot (``prefill.py``):
+for a larger one, zeroing the slot and averaging it in place cost more than the copy they
+save."""
+
 
 class Bucket:
     """Runtime state of one planned bucket: its storage, members and pending count."""
@@ -37,10 +42,11 @@ class Bucket:
         "own_tensors",
         "params",
         "pending",
-        "prefilled",
+        "placed",
         "ready_at",
         "row",
         "scale",
+        "small",
         "storage",
         "waited_at",
         "work",
@@ -74,8 +80,10 @@ class Bucket:
         # whether a slot of it was written in this backward yet.
         self.own_tensors = 0
         self.written = False
-        # Whether its slots were made .grad, zeroed, at this backward's start (prefill.py).
-        self.prefilled = False
+        # Its parameters small enough to be placed in their slots (prefill.py), and those
+        # placed in this backward.
+        self.small = [(i, p) for i, p in zip(members, params, strict=True) if p.numel() <= SMALL]
+        self.placed: set[int] = set()
         # The averaging factors (see Reducer.set_scales).
         self.scale = self.divisor = torch.ones(())
         # The views a communication hook's GradBucket.gradients() returns, made at its first
