@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from bucketddp import BucketDataParallel
+from bucketddp.reducer import storage
 from bucketddp.syncbn import convert_sync_batchnorm
 from fuzz_engine_model import (
     CUSTOM,
@@ -73,6 +74,9 @@ def wrapper_options(s: Schedule) -> dict[str, Any]:
 
 def train_rank(rank: int, world: int, s: Schedule) -> dict[str, Any]:
     """Run the schedule through ``BucketDataParallel`` on this rank (a ``run_ranks`` target)."""
+    # The fuzzer's models are small: let every bucket place its gradients in their slots
+    # (reducer/prefill.py), which real models do from 16 small parameters a bucket on.
+    storage.FEWEST_SMALL = 1
     model = build_model(s)
     model.ckpt, model.opaque = s.ckpt, s.opaque
     if s.syncbn:

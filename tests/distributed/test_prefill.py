@@ -22,11 +22,9 @@ STEPS = 3
 
 def _net() -> torch.nn.Module:
     torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Linear(32, 3)
-    )
-    net[2].requires_grad_(False)  # frozen: its .grad stays None
-    return net
+    hidden = [torch.nn.Linear(16, 16) for _ in range(10)]  # many small parameters
+    frozen = torch.nn.Linear(16, 16).requires_grad_(False)  # its .grad stays None
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), *hidden, frozen, torch.nn.Linear(16, 3))
 
 
 def _train(rank: int, world: int, hook: bool, view: bool) -> dict[str, Any]:
@@ -45,8 +43,8 @@ def _train(rank: int, world: int, hook: bool, view: bool) -> dict[str, Any]:
     trainable = [p for p in nets["ours"].parameters() if p.requires_grad]
     for p in trainable:
         p.register_post_accumulate_grad_hook(count)
-    ours = BucketDataParallel(nets["ours"], bucket_cap_mb=0.002, gradient_as_bucket_view=view)
-    theirs = DDP(nets["torch"], bucket_cap_mb=0.002)
+    ours = BucketDataParallel(nets["ours"], gradient_as_bucket_view=view)
+    theirs = DDP(nets["torch"])
     if hook:
         for model in (ours, theirs):
             model.register_comm_hook(None, default_hooks.allreduce_hook)
@@ -59,7 +57,7 @@ def _train(rank: int, world: int, hook: bool, view: bool) -> dict[str, Any]:
             model(x).square().sum().backward()
             opts[name].step()
             opts[name].zero_grad(set_to_none=True)
-    frozen_grad = nets["ours"][2].weight.grad
+    frozen_grad = nets["ours"][11].weight.grad
     weights = {k: [p.detach().clone() for p in n.parameters()] for k, n in nets.items()}
     return {"in_place": in_place, "trainable": len(trainable), "frozen": frozen_grad, **weights}
 

@@ -3,7 +3,8 @@
 A gradient that lands in a fresh ``.grad`` must be copied into its slot by a Python hook,
 and reading that ``.grad`` makes a Python object for it: about 3 µs per parameter per
 step, which torch DDP's C++ reducer does not pay. So at the first gradient of a synced
-backward, each small parameter (``storage.SMALL`` elements at most) with no ``.grad`` yet
+backward, each small parameter (``storage.SMALL`` elements at most, in a bucket with
+``storage.FEWEST_SMALL`` of them or more) with no ``.grad`` yet
 (the common step, after ``zero_grad(set_to_none=True)``) gets its zeroed slot as
 ``.grad``: autograd then adds the gradient into the slot itself, the hook only counts it,
 and the placed slots of a bucket are averaged in one call as it launches. Done in the

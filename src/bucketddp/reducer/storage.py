@@ -28,6 +28,9 @@ SMALL = 2048
 """Elements up to which a gradient is accumulated straight in its slot (``prefill.py``):
 for a larger one, zeroing the slot and averaging it in place cost more than the copy they
 save."""
+FEWEST_SMALL = 16
+"""Small parameters a bucket needs for them to be placed: with fewer, the step's fixed
+cost of placing them (about 10 µs) is more than they save."""
 
 
 class Bucket:
@@ -82,7 +85,8 @@ class Bucket:
         self.written = False
         # Its parameters small enough to be placed in their slots (prefill.py), and those
         # placed in this backward.
-        self.small = [(i, p) for i, p in zip(members, params, strict=True) if p.numel() <= SMALL]
+        small = [(i, p) for i, p in zip(members, params, strict=True) if p.numel() <= SMALL]
+        self.small = small if len(small) >= FEWEST_SMALL else []
         self.placed: set[int] = set()
         # The averaging factors (see Reducer.set_scales).
         self.scale = self.divisor = torch.ones(())
