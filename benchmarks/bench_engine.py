@@ -117,6 +117,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--steps", type=int, help="timed steps per system and round (default 8; quick 3)"
     )
     p.add_argument("--warmup", type=int, help="untimed steps before them (default 2; quick 1)")
+    p.add_argument(
+        "--min-round-ms",
+        type=float,
+        help="time at least this long per system and round: a model whose steps are "
+        "shorter gets more timed steps per round than --steps, up to 16 times as many, "
+        "so that its round medians hold still (default 200; quick 0; 0 times --steps on "
+        "every model)",
+    )
     p.add_argument("--batch-size", type=int, help="per-rank batch size (default: per model)")
     p.add_argument(
         "--world-size",
@@ -217,6 +225,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "rounds": (12, 2),
         "steps": (8, 3),
         "warmup": (2, 1),
+        "min_round_ms": (200.0, 0.0),
         "memory_steps": (4, 2),
         "memory_repeats": (3, 1),
     }
@@ -229,9 +238,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if args.device == "cuda":
             p.error("--malloc-mmap-kb tunes the CPU allocator; --device cuda measures GPU memory")
     counts = (args.rounds, args.steps, args.memory_steps, args.memory_repeats)
-    if min(counts) < 1 or args.warmup < 0:
+    if min(counts) < 1 or args.warmup < 0 or not args.min_round_ms >= 0:
         p.error(
-            "--rounds, --steps, --memory-steps and --memory-repeats must be >= 1, --warmup >= 0"
+            "--rounds, --steps, --memory-steps and --memory-repeats must be >= 1, --warmup "
+            "and --min-round-ms >= 0"
         )
     if min(args.world_size) < 1:
         p.error(f"--world-size values must be >= 1, got {args.world_size}")
@@ -268,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.device,
         args.malloc_mmap_kb,
         tuple(args.variant),
+        args.min_round_ms,
     )
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     gpu = torch.cuda.get_device_name(0) if cfg.device == "cuda" else None
@@ -282,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "null": args.null,
             "overheads": args.overheads,
             "hooks": args.hooks,
+            "interleaved": "steps",
         },
     }
     print(
@@ -289,6 +301,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{f', {gpu}' if gpu else ''}, "
         f"load {report['meta']['loadavg_start']}; {cfg.rounds} rounds x ({cfg.warmup} warmup + "
         f"{cfg.steps} timed steps) per system"
+        + (
+            f", more steps for a model whose {cfg.steps} take under {cfg.min_round_ms:g} ms"
+            if cfg.min_round_ms
+            else ""
+        )
     )
     if cfg.bucket_cap_mb is not None or cfg.first_bucket_mb is not None:
         print(
@@ -320,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )[0]
             results[name] = summarize(raw, systems)
             print(
-                f"  time {name} (world size {world_size}): done "
+                f"  time {name} (world size {world_size}, {raw['steps_per_round']} timed steps "
+                "per round): done "
                 f"({time.perf_counter() - started:.0f}s)",
                 flush=True,
             )
@@ -336,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["meta"]["loadavg_end"] = loadavg()
     report["meta"]["seconds"] = round(time.perf_counter() - started, 1)
     print(
-        f"\nstep ms: median of {cfg.rounds * cfg.steps} timed steps, each the max over ranks; "
+        f"\nstep ms: median of the {cfg.rounds} rounds' timed steps, each the max over ranks; "
         "exposed ms: step - local step;\n"
         "allreduce: one all-reduce of the gradients' bytes in one tensor (the wire); "
         "beyond the wire: step - local - allreduce;\n"

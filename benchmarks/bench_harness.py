@@ -15,15 +15,17 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import math
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +57,11 @@ ALLREDUCE = "allreduce"
 gradients, timed in the rounds like a system. A step's floor is local + allreduce."""
 TUNING_STEPS = 64
 """Most untimed steps a variant with ``"auto"`` bucket sizes may take to choose them."""
+PROBE_STEPS = 3
+"""Untimed steps per system that measure a model's step for ``round_steps``."""
+MOST_STEPS = 16
+"""``round_steps`` times at most this many times ``Config.steps`` per round."""
+T = TypeVar("T")
 Variant = tuple[str, tuple[tuple[str, Any], ...]]
 """``--variant``: a system's name and the engine options its BucketDataParallel takes."""
 LR = 0.01
@@ -86,6 +93,9 @@ class Config:
     variants: tuple[Variant, ...] = ()
     """bucketddp systems with engine options of their own (``--variant``), timed beside
     the others and compared with ``bucketddp``."""
+    min_round_ms: float = 0.0
+    """Time at least this long per system and round (``round_steps``): a model with short
+    steps gets more than ``steps`` of them. 0 times ``steps`` on every model."""
 
 
 def add_run_options(p: argparse.ArgumentParser, default_json: Path, pool_help: str) -> None:
@@ -197,7 +207,28 @@ def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
     return wrapped
 
 
-def round_order(systems: Sequence[str], round_: int) -> list[str]:
+def turn_order(systems: Sequence[str], round_: int) -> list[str]:
+    """The order in which ``systems`` take a step each, over and over, in round ``round_``.
+
+    Each bucketddp system steps right next to its torch DDP counterpart (``bucketddp`` with
+    ``torch_ddp``, ``bucketddp+fp16`` with ``torch_ddp+fp16``), the two taking turns at
+    going first, so that every step of one has a step of the other a few milliseconds
+    away, under the same load (``bench_stats.step_ratios``). The pairs and the other
+    systems are ordered by ``round_order``.
+    """
+    units: list[tuple[str, ...]] = []
+    for s in systems:
+        wrapper, joined, hook = s.partition(HOOKED)
+        theirs = f"torch_ddp{joined}{hook}"
+        if wrapper == "bucketddp" and theirs in systems:
+            units.append((theirs, s))
+        elif not (wrapper == "torch_ddp" and f"bucketddp{joined}{hook}" in systems):
+            units.append((s,))
+    flip = round_ % 2
+    return [s for unit in round_order(units, round_) for s in (unit[::-1] if flip else unit)]
+
+
+def round_order(systems: Sequence[T], round_: int) -> list[T]:
     """The order of ``systems`` in round ``round_``, from a Williams design.
 
     Over a cycle of rounds (as many as systems when their number is even, twice that when
@@ -294,17 +325,25 @@ def time_model(
         for s in models
         if is_auto(s, cfg)
     }
+    steps, probe_ms = round_steps(models, optimizers, spec, cfg, rank)
     per_round: dict[str, list[list[list[float]]]] = {s: [] for s in systems}
+    cuda = cfg.device == "cuda"
     for r in range(cfg.rounds):
-        batches = make_batches(spec, cfg, rank, r, cfg.warmup + cfg.steps)
-        for s in round_order(systems, r):
-            dist.barrier()
-            if s == ALLREDUCE:
-                rows = time_allreduce(wire, len(batches), cfg.device == "cuda")
-            else:
-                rows = train_steps(models[s], optimizers[s], batches, cfg.device == "cuda")
-            per_round[s].append(over_ranks(rows[cfg.warmup :], world_size, cfg.device))
+        batches = make_batches(spec, cfg, rank, r, cfg.warmup + steps)
+        order = turn_order(systems, r)
+        rows: dict[str, list[list[float]]] = {s: [] for s in order}
+        for batch in batches:  # the systems take turns step by step
+            for s in order:
+                dist.barrier()
+                if s == ALLREDUCE:
+                    rows[s] += time_allreduce(wire, 1, cuda)
+                else:
+                    rows[s] += train_steps(models[s], optimizers[s], [batch], cuda)
+        for s in order:
+            per_round[s].append(over_ranks(rows[s][cfg.warmup :], world_size, cfg.device))
     info: dict[str, Any] = {
+        "steps_per_round": steps,
+        "probe_step_ms": probe_ms,
         "params": count_parameters(bare),
         "tensors": count_tensors(bare),
         "gradient_mb": round(grad_bytes / 2**20, 3),
@@ -330,6 +369,39 @@ def time_model(
     }
     info["variant_tuning"] = tuning
     return {"per_round": per_round, **info}
+
+
+def round_steps(
+    models: dict[str, nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+    spec: ModelSpec,
+    cfg: Config,
+    rank: int,
+) -> tuple[int, float | None]:
+    """Timed steps per system and round, and the probe's step in ms (None without one).
+
+    ``cfg.steps``, or more for a model whose steps are
+    short, so that a round times at least ``cfg.min_round_ms`` per system.
+
+    A round's median over a few steps of a millisecond or two moves with every hiccup of
+    the machine; over more steps it holds still, and so does the round's ratio. Every
+    system trains ``PROBE_STEPS`` untimed steps on the same batches; the median of those
+    steps, on the slowest rank, sets the count (the same on every rank), at most
+    ``MOST_STEPS`` times ``cfg.steps``.
+    """
+    if cfg.min_round_ms <= 0 or not models:
+        return cfg.steps, None
+    batches = make_batches(spec, cfg, rank, cfg.rounds + 1, PROBE_STEPS)
+    totals = []
+    for s in sorted(models):
+        dist.barrier()
+        rows = train_steps(models[s], optimizers[s], batches, cfg.device == "cuda")
+        totals += [row[0] for row in rows]
+    step = torch.tensor([statistics.median(totals)], dtype=torch.float64, device=cfg.device)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    ms = 1000 * step.item()
+    wanted = math.ceil(cfg.min_round_ms / max(ms, 1e-3))
+    return min(max(cfg.steps, wanted), MOST_STEPS * cfg.steps), ms
 
 
 def is_auto(system: str, cfg: Config) -> bool:

@@ -78,11 +78,13 @@ def print_time_table(
                 f"{'':<19} 95% interval of the median round ratio: {lo:.3f}-{hi:.3f}, "
                 f"{verdict((lo, hi))}"
             )
+            print(f"{'':<19} paired steps: {_paired(res['paired_steps'])}")
         print_beyond_wire(res)
         for hook, v in res.get("hooks", {}).items():
             print(
                 f"{PAD}with {hook}: bucketddp/torch_ddp {v['ratio_of_medians']:.3f} (ratio of "
-                f"medians), {_ratio(v)}; cpu {v['cpu_ratio']:.3f}"
+                f"medians), {_ratio(v)}; cpu {v['cpu_ratio']:.3f}; paired steps "
+                f"{_paired(v['paired_steps'])}"
             )
         for name, v in res.get("variants", {}).items():
             print_variant(name, v)
@@ -103,6 +105,15 @@ def print_time_table(
                 f"{'':<19} bucketddp/local: {res['bucketddp_over_local']:.3f} (ratio of medians), "
                 f"{res['bucketddp_over_local_rounds']:.3f} (median of round ratios)"
             )
+
+
+def _paired(p: dict[str, Any]) -> str:
+    """The median of paired step ratios (``bench_stats.paired``), interval and verdict."""
+    lo, hi = p["ci95"]
+    return (
+        f"{p['median']:.3f} (median of {p['n']} step ratios, 95% interval {lo:.3f}-{hi:.3f}, "
+        f"{verdict((lo, hi))})"
+    )
 
 
 def _ratio(v: dict[str, Any]) -> str:
@@ -167,6 +178,9 @@ def print_pooled(pooled: dict[str, Any], runs: int) -> None:
                 f"{e['median_round_ratio']:.3f}, 95% interval {lo:.3f}-{hi:.3f}, "
                 f"{verdict((lo, hi))}; ratio of medians per run: {per_run}"
             )
+            for hook, p in e.get("paired_steps", {}).items():
+                with_hook = f" with {hook}" if hook else ""
+                print(f"{'':<16} paired steps{with_hook}: {_paired(p)}")
             if "null_round_ratios" in e:
                 lo, hi = e["null_round_ratio_ci95"]
                 print(

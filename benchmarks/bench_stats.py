@@ -58,8 +58,35 @@ def verdict(ci: tuple[float, float]) -> str:
     return "within noise"
 
 
+STEP_RESAMPLES = 1000
+"""Bootstrap resamples for the paired step ratios (hundreds to thousands of them)."""
+
+
+def step_ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> list[float]:
+    """Each timed step of ``ours`` over the same step of ``theirs``, round by round.
+
+    The systems take turns step by step (``bench_harness.time_model``), so the two steps of
+    a pair ran milliseconds apart, on the same batch, under the same load.
+    """
+    return [
+        a / b
+        for rounds in zip(ours["step_ms"], theirs["step_ms"], strict=True)
+        for a, b in zip(*rounds, strict=True)
+    ]
+
+
+def paired(ratios: Sequence[float]) -> dict[str, Any]:
+    """The median of paired step ratios, its 95% interval and how many there are."""
+    return {
+        "median": median(ratios),
+        "ci95": list(bootstrap_ci(ratios, resamples=STEP_RESAMPLES)),
+        "n": len(ratios),
+    }
+
+
 def _compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
-    """Step-time ratios of one system's figures over another's: pooled and per round."""
+    """Step-time ratios of one system's figures over another's: pooled, per round and per
+    paired step."""
     round_ratios = [
         a / b for a, b in zip(ours["round_medians_ms"], theirs["round_medians_ms"], strict=True)
     ]
@@ -68,13 +95,20 @@ def _compare(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
         "median_round_ratio": median(round_ratios),
         "round_ratios": round_ratios,
         "round_ratio_ci95": list(bootstrap_ci(round_ratios)),
+        "paired_steps": paired(step_ratios(ours, theirs)),
     }
 
 
 def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
     """Medians, ratios and exposed communication of one model's timing run (in ms)."""
     per_round = raw["per_round"]
-    out: dict[str, Any] = {"params": raw["params"], "tensors": raw["tensors"], "systems": {}}
+    out: dict[str, Any] = {
+        "params": raw["params"],
+        "tensors": raw["tensors"],
+        "steps_per_round": raw.get("steps_per_round"),
+        "probe_step_ms": raw.get("probe_step_ms"),
+        "systems": {},
+    }
     for s in systems:
         rounds = per_round[s]
         steps = [row for rnd in rounds for row in rnd]
@@ -175,7 +209,16 @@ def turns_off(options: dict[str, Any]) -> bool:
     return bool(options) and all(v is False and defaults.get(k) is True for k, v in options.items())
 
 
-POOL_KEYS = ("steps", "warmup", "batch_size", "bucket_cap_mb", "first_bucket_mb", "comm_hook")
+POOL_KEYS = (
+    "interleaved",
+    "steps",
+    "warmup",
+    "min_round_ms",
+    "batch_size",
+    "bucket_cap_mb",
+    "first_bucket_mb",
+    "comm_hook",
+)
 """Config entries that must agree between pooled runs (rounds and models may differ)."""
 
 
@@ -224,6 +267,8 @@ def pool_reports(reports: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any
             for series in _series(entry):
                 series["median"] = median(series["values"])
                 series["ci95"] = list(bootstrap_ci(series["values"]))
+            for key, series in entry.get("paired_steps", {}).items():
+                entry["paired_steps"][key] = paired(series["values"])
             steps = entry.pop("step_ms", None)
             if steps is not None:
                 # As in one run's table: the medians of all steps, local's and the wire's off.
@@ -240,6 +285,10 @@ def _pool_extras(entry: dict[str, Any], res: dict[str, Any]) -> None:
         where.setdefault(key, {"values": []})["values"].extend(values)
 
     systems = res.get("systems", {})
+    for wrapper, theirs, key in _pairs(systems):
+        entry.setdefault("paired_steps", {}).setdefault(key, {"values": []})["values"].extend(
+            step_ratios(systems[wrapper], systems[theirs])
+        )
     if ALLREDUCE in systems:
         extend(entry, "wire_ms", systems[ALLREDUCE]["round_medians_ms"])
         for s, f in systems.items():  # every timed step, for the medians of all runs
@@ -259,6 +308,17 @@ def _pool_extras(entry: dict[str, Any], res: dict[str, Any]) -> None:
                 extend(pooled, key, v[key]["round_ratios"])
         if v.get("tuning"):
             pooled.setdefault("tuned", []).append(v["tuning"])
+
+
+def _pairs(systems: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(bucketddp system, its torch DDP, key) for no hook (key ``""``) and each hook."""
+    out = []
+    for s in systems:
+        wrapper, _, hook = s.partition(HOOKED)
+        theirs = f"torch_ddp{HOOKED}{hook}" if hook else "torch_ddp"
+        if wrapper == "bucketddp" and theirs in systems:
+            out.append((s, theirs, hook))
+    return out
 
 
 def _series(entry: dict[str, Any]) -> list[dict[str, Any]]:

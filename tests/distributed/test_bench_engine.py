@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -27,7 +28,7 @@ HARNESS = SCRIPT.parent / "bench_harness.py"
 # No hooked systems (--hooks without a value), but in the test of --hooks.
 SHORT = [
     *("--rounds", "1", "--steps", "1", "--warmup", "2", "--world-size", "2", "--no-memory"),
-    "--hooks",
+    *("--min-round-ms", "0", "--hooks"),
 ]
 WITH_MEMORY = [a for a in SHORT if a != "--no-memory"]
 
@@ -125,6 +126,29 @@ def test_hooks_time_each_hook_on_both_wrappers_in_the_same_rounds(tmp_path: Path
         assert ratios["round_ratios"] == [
             a / b for a, b in zip(ours["round_medians_ms"], theirs["round_medians_ms"], strict=True)
         ]
+        # Paired steps: each of ours over torch DDP's step on the same batch, in turn.
+        pairs = [a / b for a, b in zip(ours["step_ms"][0], theirs["step_ms"][0], strict=True)]
+        assert ratios["paired_steps"]["n"] == len(pairs) == 1
+        assert ratios["paired_steps"]["median"] == pairs[0]
+    pooled = run_pool(tmp_path / "engine.json", tmp_path / "engine.json")
+    assert pooled.returncode == 0, pooled.stderr
+    assert "paired steps with fp16: " in pooled.stdout
+    assert "median of 2 step ratios" in pooled.stdout
+
+
+def test_a_model_with_short_steps_times_more_of_them_per_round(tmp_path: Path) -> None:
+    # --min-round-ms: the probe's step (untimed, every system, the slowest rank's median)
+    # sets the timed steps per round, at least --steps and at most 16 times as many; the
+    # default SHORT runs (0) time exactly --steps.
+    result = run_bench(tmp_path, "--min-round-ms", "60", "--steps", "2")
+    probe, steps = result["probe_step_ms"], result["steps_per_round"]
+    assert probe > 0
+    assert steps == min(max(2, math.ceil(60 / probe)), 32)
+    for system in result["systems"].values():
+        assert [len(rnd) for rnd in system["step_ms"]] == [steps]
+    plain = run_bench(tmp_path, "--steps", "2")
+    assert plain["probe_step_ms"] is None and plain["steps_per_round"] == 2
+    assert [len(rnd) for rnd in plain["systems"]["bucketddp"]["step_ms"]] == [2]
 
 
 def test_overheads_time_the_wire_and_tune_auto_before_the_timed_rounds(tmp_path: Path) -> None:
@@ -149,6 +173,19 @@ def test_overheads_time_the_wire_and_tune_auto_before_the_timed_rounds(tmp_path:
     assert proc.returncode == 0, proc.stderr
     assert "beyond the wire, bucketddp ms:" in proc.stdout
     assert "bucketddp_no_watchdog/bucketddp" in proc.stdout and "(the cost)" in proc.stdout
+
+
+def test_each_bucketddp_system_steps_next_to_its_torch_ddp_taking_turns_first() -> None:
+    hooked = ["torch_ddp+fp16", "bucketddp+fp16"]
+    systems = ["local", "torch_ddp", "bucketddp", "allreduce", *hooked, "bucketddp_finite"]
+    orders = [load_bench().turn_order(systems, r) for r in range(8)]
+    for order in orders:
+        assert sorted(order) == sorted(systems)
+        for theirs, ours in (("torch_ddp", "bucketddp"), tuple(hooked)):
+            assert abs(order.index(theirs) - order.index(ours)) == 1
+    # Who goes first alternates; the five units (two pairs, three singles) rotate.
+    assert [o.index("bucketddp") < o.index("torch_ddp") for o in orders] == [False, True] * 4
+    assert len({o[0] for o in orders}) == 5
 
 
 @functools.cache
