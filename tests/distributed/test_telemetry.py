@@ -48,6 +48,11 @@ def _train(rank: int, world: int, trace: str) -> dict[str, Any]:
         for t in timings:
             if not t.ready <= t.launched <= t.completed <= t.waited:
                 problems.append(f"step {step}: bucket {t.index} out of order: {t}")
+            # No callback: a bucket is seen done at a later launch or as the wait begins,
+            # or it completes at the end of its wait.
+            seen = {u.launched for u in timings if u.index > t.index}
+            if t.completed not in seen | {stats.wait_started, t.waited}:
+                problems.append(f"step {step}: bucket {t.index} completed off the clock: {t}")
         if not stats.wait_seconds <= stats.comm_seconds + ROUNDING <= backward + 2 * ROUNDING:
             problems.append(
                 f"step {step}: exposed {stats.wait_seconds}, comm {stats.comm_seconds}, "

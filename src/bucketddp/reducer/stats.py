@@ -11,9 +11,9 @@ class BucketTiming:
     """When one bucket of a synced backward went through its stages.
 
     Times are ``time.perf_counter()`` seconds of this process. ``completed`` is when the
-    collective finished as the backend reported it (on CPU, the moment gloo completed it),
-    or, where the backend tells only at the wait (a communication hook's future that is
-    done late, NCCL), when the end of backward finished waiting for it.
+    reducer saw the collective done, at a later bucket's launch or as the end of backward
+    began to wait; for one still running then, and for the last bucket, when the end of
+    backward finished waiting for it.
     """
 
     index: int
