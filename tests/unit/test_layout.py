@@ -195,16 +195,17 @@ def test_dev_py_reaches_every_tool_and_benchmark() -> None:
     assert not unlisted, f"list these in dev.py's docstring: {unlisted}"
 
 
-REDUCER_TYPES = {"ReducerState", "Reducer"}
+REDUCER_TYPES = {"ReducerState", "ReducerPlan", "Reducer"}
 REDUCER_NAMES = {"r", "reducer"}  # a parameter or local holding a reducer, by convention
 REDUCER_ATTRS = {"reducer", "_reducer", "_r"}  # a plug-in's or the wrapper's reducer
 
 
 def _reducer_fields() -> set[str]:
     """What a reducer holds: ``ReducerState``'s declared fields and methods, and every
-    attribute ``Reducer`` sets on itself."""
+    attribute ``ReducerPlan`` and ``Reducer`` set on themselves."""
     fields = set()
-    for module, name in (("state.py", "ReducerState"), ("core.py", "Reducer")):
+    classes = (("state.py", "ReducerState"), ("core.py", "ReducerPlan"), ("core.py", "Reducer"))
+    for module, name in classes:
         tree = ast.parse((PACKAGE / "reducer" / module).read_text())
         (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
         for node in cls.body:
@@ -278,7 +279,7 @@ def _state_writes(tree: ast.Module, fields: set[str]) -> Iterator[tuple[int, str
 
 
 def test_only_the_reducer_sets_its_state() -> None:
-    """Every field of the reducer is set in ``reducer/core.py``, by ``Reducer`` itself;
+    """Every field of the reducer is set in ``reducer/core.py``, by the reducer itself;
     the other modules compute and return what it takes (``layout.build``, the launchers,
     the learned order), or call its methods. Mutating an object it holds is fine."""
     fields = _reducer_fields()

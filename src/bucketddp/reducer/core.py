@@ -60,68 +60,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("bucketddp.reducer")
 
 
-class Reducer(ReducerState):
-    """Owns the hooks, the bucket storage and the in-flight collectives of one model."""
+class ReducerPlan(ReducerState):
+    """The reducer's plan and storage: which parameters it reduces, in which buckets.
 
-    def __init__(
-        self,
-        named_params: Sequence[tuple[str, nn.Parameter]],
-        *,
-        process_group: dist.ProcessGroup | None,
-        options: EngineOptions,
-        sparse_names: Collection[str] = (),
-        buffer_layout: BufferLayout | None = None,
-    ) -> None:
-        """Reduce those of ``named_params`` (all the model's) that require a gradient.
+    ``Reducer`` adds the hot path and the end of backward; both live here, so that the
+    reducer's state is set in this module only.
+    """
 
-        ``sparse_names``: embeddings' parameters with ``sparse=True``. ``buffer_layout``:
-        the wrapper's buffer sync, whose layout changes travel in the agreement row.
-        """
-        self.all_named = list(named_params)
-        self.all_names = [n for n, _ in named_params]
-        self.all_params = [p for _, p in named_params]
-        trainable = [j for j, p in enumerate(self.all_params) if p.requires_grad]
-        if not trainable:
-            raise ValueError(errors.NO_TRAINABLE)
-        self.sparse_names = frozenset(sparse_names)
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
-        # A static graph may leave parameters unused, as torch DDP allows.
-        self.find_unused_parameters = options.find_unused_parameters or options.static_graph
-        self.gradient_as_bucket_view = options.gradient_as_bucket_view
-        self.unused_hint = options.unused_hint
-        self.buffer_layout = buffer_layout
-        self.caps = cap_bytes(options.bucket_sizes[0]), cap_bytes(options.bucket_sizes[1])
-        tuned = options.tuned_sizes
-        self.tuner = BucketTuner(self, *tuned) if tuned is not None else None
-        self.static_graph = options.static_graph
-        self.finite = FiniteCheck(self) if options.check_finite else None
-        self.launcher: Launcher = checked(self, AllReduceLauncher(process_group))
-        self.clock = StepClock() if options.telemetry else NoClock()
-        # One rank has nothing to reduce: no storage, and the hooks only check (unless a
-        # communication hook is registered).
-        self.communicates = self.world_size > 1
-        # Gradients are averaged over ``divisor`` ranks, and ``training_ranks`` send some:
-        # the world size, or fewer under ``join()``.
-        self.divisor = self.training_ranks = self.world_size
-        self.sync_enabled = True
-        # torch DDP's contract: the hooks act only in a backward that follows a grad-enabled
-        # forward through the wrapper (``expect_backward``), whose sync decision they keep.
-        self.expecting_backward = False
-        self.sync_step = True
-        self._queued = False
-        self._from_output = False  # the end-of-backward callback was queued by an output hook
-        # A gradient the ready count does not show arrived (outside the plan, or not a
-        # static graph parameter's last).
-        self.touched_elsewhere = False
-        self.hook_handles: list[RemovableHandle] = []
-        self.frozen_watch: RequiresGradWatch | None = None
-        self.module_changes: ModuleChanges | None = None
-        self._next = 0  # the next bucket to launch, in plan order
-        self._plan_members(trainable)
-
-    # ------------------------------------------------------------------ plan and storage
     def _plan_members(self, indices: list[int]) -> None:
         """Reduce the parameters at ``indices`` (into all parameters) from now on.
 
@@ -229,6 +174,68 @@ class Reducer(ReducerState):
             # One rank: buckets exist only to hand the hook its gradients, as torch DDP does.
             self.communicates = True
             self._install(layout.build(self, self.plan))
+
+
+class Reducer(ReducerPlan):
+    """Owns the hooks, the bucket storage and the in-flight collectives of one model."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        *,
+        process_group: dist.ProcessGroup | None,
+        options: EngineOptions,
+        sparse_names: Collection[str] = (),
+        buffer_layout: BufferLayout | None = None,
+    ) -> None:
+        """Reduce those of ``named_params`` (all the model's) that require a gradient.
+
+        ``sparse_names``: embeddings' parameters with ``sparse=True``. ``buffer_layout``:
+        the wrapper's buffer sync, whose layout changes travel in the agreement row.
+        """
+        self.all_named = list(named_params)
+        self.all_names = [n for n, _ in named_params]
+        self.all_params = [p for _, p in named_params]
+        trainable = [j for j, p in enumerate(self.all_params) if p.requires_grad]
+        if not trainable:
+            raise ValueError(errors.NO_TRAINABLE)
+        self.sparse_names = frozenset(sparse_names)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        # A static graph may leave parameters unused, as torch DDP allows.
+        self.find_unused_parameters = options.find_unused_parameters or options.static_graph
+        self.gradient_as_bucket_view = options.gradient_as_bucket_view
+        self.unused_hint = options.unused_hint
+        self.buffer_layout = buffer_layout
+        self.caps = cap_bytes(options.bucket_sizes[0]), cap_bytes(options.bucket_sizes[1])
+        tuned = options.tuned_sizes
+        self.tuner = BucketTuner(self, *tuned) if tuned is not None else None
+        self.static_graph = options.static_graph
+        self.finite = FiniteCheck(self) if options.check_finite else None
+        self.launcher: Launcher = checked(self, AllReduceLauncher(process_group))
+        self.clock = StepClock() if options.telemetry else NoClock()
+        # One rank has nothing to reduce: no storage, and the hooks only check (unless a
+        # communication hook is registered).
+        self.communicates = self.world_size > 1
+        # Gradients are averaged over ``divisor`` ranks, and ``training_ranks`` send some:
+        # the world size, or fewer under ``join()``.
+        self.divisor = self.training_ranks = self.world_size
+        self.sync_enabled = True
+        # torch DDP's contract: the hooks act only in a backward that follows a grad-enabled
+        # forward through the wrapper (``expect_backward``), whose sync decision they keep.
+        self.expecting_backward = False
+        self.sync_step = True
+        self._queued = False
+        self._from_output = False  # the end-of-backward callback was queued by an output hook
+        # A gradient the ready count does not show arrived (outside the plan, or not a
+        # static graph parameter's last).
+        self.touched_elsewhere = False
+        self.hook_handles: list[RemovableHandle] = []
+        self.frozen_watch: RequiresGradWatch | None = None
+        self.module_changes: ModuleChanges | None = None
+        self._next = 0  # the next bucket to launch, in plan order
+        self._plan_members(trainable)
 
     @property
     def stats(self) -> CommStats:

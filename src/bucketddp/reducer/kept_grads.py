@@ -30,6 +30,18 @@ def copy_on_write(storage: BucketStorage, i: int) -> torch.Tensor:
     return storage.reslot(i)
 
 
+def views_kept(views: list[torch.Tensor], indices: list[int]) -> bool:
+    """Whether anyone but the reducer holds the slot view of one of ``indices``.
+
+    ``fill_slot`` makes the same check inline for its one slot, on the hot path.
+    """
+    for i in indices:
+        view = views[i]  # counted as SOLE_REFS counts it: a list element bound to a local
+        if sys.getrefcount(view) > SOLE_REFS:
+            return True
+    return False
+
+
 def kept_elsewhere(storage: BucketStorage, bucket: Bucket) -> bool:
     """Whether tensors other than the reducer's share ``bucket``'s storage.
 

@@ -22,11 +22,9 @@ used, with zeros.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from .kept_grads import SOLE_REFS, kept_elsewhere
+from .kept_grads import kept_elsewhere, views_kept
 from .state import ReducerState
 from .storage import Bucket
 
@@ -45,7 +43,7 @@ def prefill(r: ReducerState, first: int) -> None:
         placed = [
             i for i, p in bucket.small if p.grad is None and p.requires_grad and p is not current
         ]
-        if not placed or _kept(views, placed) or kept_elsewhere(r.storage, bucket):
+        if not placed or views_kept(views, placed) or kept_elsewhere(r.storage, bucket):
             continue  # a .grad kept from an earlier step: fill_slot copies on write
         slots = [views[i] for i in placed]
         torch._foreach_zero_(slots)
@@ -67,13 +65,4 @@ def average_placed(r: ReducerState, bucket: Bucket) -> None:
     """Average the gradients placed in ``bucket``'s slots, in one call, before it launches."""
     if not r.launcher.averages:
         torch._foreach_mul_([r.views[i] for i in bucket.placed], bucket.scale)
-    bucket.placed = set()
-
-
-def _kept(views: list[torch.Tensor], members: list[int]) -> bool:
-    """Whether anyone but the reducer holds one of these slots' views."""
-    for i in members:
-        view = views[i]  # counted as SOLE_REFS counts it: a list element bound to a local
-        if sys.getrefcount(view) > SOLE_REFS:
-            return True
-    return False
+    bucket.placed.clear()
