@@ -1,9 +1,10 @@
 """The picture of docs/benchmarks.md's ratio table: bucketddp / torch DDP per model and hook.
 
 Draws ``docs/images/ratios.png`` from a JSON report of ``bench_engine.py`` (its world-size-2
-section): for each model, the median of the per-round ratios bucketddp / torch DDP without a
-hook and with each hook the run timed (``--hooks``), with their 95% bootstrap intervals.
-Nothing is measured here.
+section): for each model, the median of the paired step ratios bucketddp / torch DDP
+without a hook and with each hook the run timed (``--hooks``), with their 95% bootstrap
+intervals; for reports made before the systems took turns step by step, the median of the
+per-round ratios. Nothing is measured here.
 
 Usage::
 
@@ -33,11 +34,29 @@ DEFAULT_OUT = HERE.parent / "docs" / "images" / "ratios.png"
 NO_HOOK = "no hook"
 
 
+def paired_figures(res: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per hook (``""`` for none): the paired step figures of one run's or a pooled entry."""
+    figures = res.get("paired_steps") or {}
+    if "median" not in figures:
+        return dict(figures)  # pooled (bench_stats.pool_reports): already per hook
+    hooks = res.get("hooks", {}).items()
+    return {"": figures, **{h: e["paired_steps"] for h, e in hooks if "paired_steps" in e}}
+
+
 def ratio_rows(section: dict[str, Any]) -> dict[str, dict[str, tuple[float, float, float]]]:
-    """Per model, per hook (``NO_HOOK`` first): (median round ratio, interval low, high)."""
+    """Per model, per hook (``NO_HOOK`` first): (median ratio, interval low, high).
+
+    The paired step ratios where the report has them, else the round ratios.
+    """
     rows: dict[str, dict[str, tuple[float, float, float]]] = {}
     for model, res in section.items():
         per: dict[str, tuple[float, float, float]] = {}
+        paired = paired_figures(res)
+        if paired:
+            for hook, p in paired.items():
+                per[hook or NO_HOOK] = (p["median"], *p["ci95"])
+            rows[model] = per
+            continue
         if "round_ratio_ci95" in res:
             per[NO_HOOK] = (res["median_round_ratio"], *res["round_ratio_ci95"])
         for hook, e in res.get("hooks", {}).items():
@@ -104,12 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     low, high = min(per_model), max(per_model)
     rounds = f"{low}" if low == high else f"{low} to {high} (per model)"
     runs = f" ({len(reports)} runs pooled)" if len(reports) > 1 else ""
+    paired = all(paired_figures(res) for res in section.values())
+    what = "paired step ratios" if paired else "round ratios"
     title = (
-        f"median of {rounds} interleaved round ratios{runs}, 95% intervals; "
+        f"median of the {what} of {rounds} interleaved rounds{runs}, 95% intervals; "
         "below 1: bucketddp faster"
     )
     draw(ratio_rows(section), args.out, title)
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} ({what})")
     return 0
 
 

@@ -45,6 +45,17 @@ def test_several_reports_are_pooled_into_one_picture(tmp_path: Path) -> None:
     assert (tmp_path / "ratios.png").stat().st_size > 1000
 
 
+def test_paired_step_ratios_are_drawn_where_the_reports_have_them(tmp_path: Path) -> None:
+    old = _draw(tmp_path, _report([0.9, 1.0], [1.1, 1.2]))
+    assert old.returncode == 0 and "(round ratios)" in old.stdout, old.stderr
+    report = _report([0.9, 1.0], [1.1, 1.2])
+    entry = report["world_size_2"]["tiny_mlp"]  # type: ignore[index]
+    entry["paired_steps"] = {"median": 0.95, "ci95": [0.9, 1.0], "n": 16}
+    entry["hooks"]["fp16"]["paired_steps"] = {"median": 1.05, "ci95": [1.0, 1.1], "n": 16}
+    new = _draw(tmp_path, report)
+    assert new.returncode == 0 and "(paired step ratios)" in new.stdout, new.stderr
+
+
 def test_reports_made_with_other_options_are_refused(tmp_path: Path) -> None:
     other = _report([1.0, 1.1], [1.3, 1.4])
     other["config"] = {**CONFIG, "steps": 3}
