@@ -90,9 +90,10 @@ class StepClock:
 
     def finish(self, plan: Sequence[Bucket], /, **figures: Any) -> None:
         """The step is over: keep what its ``CommStats`` will be built from, with ``figures``
-        (collectives, bytes, ...). A completion that comes later still counts."""
+        (collectives, bytes, ...)."""
         times = [(b.ready_at, b.waited_at, b.storage.nbytes) for b in plan]
         self._kept = (times, self._launched, self._completed, self.wait_started, figures)
+        self._running = []  # every bucket was waited for: nothing left to watch
         self._last = None
 
     def last(self) -> CommStats:
