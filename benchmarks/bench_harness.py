@@ -171,6 +171,19 @@ HOOKED = "+"
 """Joins a wrapper and a hook in a system's name: ``bucketddp+fp16``."""
 
 
+def counterparts(systems: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(torch DDP system, bucketddp system, hook) for each bucketddp system of ``systems``
+    whose torch DDP counterpart is there too: ``("torch_ddp", "bucketddp", "")``,
+    ``("torch_ddp+fp16", "bucketddp+fp16", "fp16")``."""
+    out = []
+    for s in systems:
+        wrapper, joined, hook = s.partition(HOOKED)
+        theirs = f"torch_ddp{joined}{hook}"
+        if wrapper == "bucketddp" and theirs in systems:
+            out.append((theirs, s, hook))
+    return out
+
+
 def hooked_systems(hooks: Sequence[str]) -> list[str]:
     """The systems that time ``hooks``: torch DDP and bucketddp with each."""
     return [f"{s}{HOOKED}{h}" for h in hooks for s in ("torch_ddp", "bucketddp")]
@@ -216,14 +229,9 @@ def turn_order(systems: Sequence[str], round_: int) -> list[str]:
     away, under the same load (``bench_stats.step_ratios``). The pairs and the other
     systems are ordered by ``round_order``.
     """
-    units: list[tuple[str, ...]] = []
-    for s in systems:
-        wrapper, joined, hook = s.partition(HOOKED)
-        theirs = f"torch_ddp{joined}{hook}"
-        if wrapper == "bucketddp" and theirs in systems:
-            units.append((theirs, s))
-        elif not (wrapper == "torch_ddp" and f"bucketddp{joined}{hook}" in systems):
-            units.append((s,))
+    pairs = {ours: theirs for theirs, ours, _ in counterparts(systems)}
+    partnered = set(pairs.values())
+    units = [(pairs[s], s) if s in pairs else (s,) for s in systems if s not in partnered]
     flip = round_ % 2
     return [s for unit in round_order(units, round_) for s in (unit[::-1] if flip else unit)]
 

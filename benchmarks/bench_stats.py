@@ -12,7 +12,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from bench_harness import ALLREDUCE, HOOKED, NULL_SYSTEM
+from bench_harness import ALLREDUCE, NULL_SYSTEM, counterparts
 from bucketddp.options import EngineOptions
 
 
@@ -171,10 +171,8 @@ def summarize(raw: dict[str, Any], systems: Sequence[str]) -> dict[str, Any]:
         )
     # Each hook: bucketddp with it against torch DDP with it.
     out["hooks"] = {}
-    for s in systems:
-        wrapper, joined, hook = s.partition(HOOKED)
-        theirs = f"torch_ddp{HOOKED}{hook}"
-        if joined and wrapper == "bucketddp" and theirs in figures:
+    for theirs, s, hook in counterparts(systems):
+        if hook:
             out["hooks"][hook] = {
                 **_compare(figures[s], figures[theirs]),
                 "cpu_ratio": figures[s]["cpu_ms"] / figures[theirs]["cpu_ms"],
@@ -285,9 +283,9 @@ def _pool_extras(entry: dict[str, Any], res: dict[str, Any]) -> None:
         where.setdefault(key, {"values": []})["values"].extend(values)
 
     systems = res.get("systems", {})
-    for wrapper, theirs, key in _pairs(systems):
+    for theirs, ours, key in counterparts(list(systems)):
         entry.setdefault("paired_steps", {}).setdefault(key, {"values": []})["values"].extend(
-            step_ratios(systems[wrapper], systems[theirs])
+            step_ratios(systems[ours], systems[theirs])
         )
     if ALLREDUCE in systems:
         extend(entry, "wire_ms", systems[ALLREDUCE]["round_medians_ms"])
@@ -308,17 +306,6 @@ def _pool_extras(entry: dict[str, Any], res: dict[str, Any]) -> None:
                 extend(pooled, key, v[key]["round_ratios"])
         if v.get("tuning"):
             pooled.setdefault("tuned", []).append(v["tuning"])
-
-
-def _pairs(systems: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(bucketddp system, its torch DDP, key) for no hook (key ``""``) and each hook."""
-    out = []
-    for s in systems:
-        wrapper, _, hook = s.partition(HOOKED)
-        theirs = f"torch_ddp{HOOKED}{hook}" if hook else "torch_ddp"
-        if wrapper == "bucketddp" and theirs in systems:
-            out.append((s, theirs, hook))
-    return out
 
 
 def _series(entry: dict[str, Any]) -> list[dict[str, Any]]:
