@@ -5,7 +5,8 @@ A folder is made ``0700`` and its files ``0600`` whatever the umask; a symlink, 
 with group or other bits, and a symlinked file are refused. A meta is read back only with
 the key it was written with, and only whole, with every field. A file copied to another
 folder (a stop's snapshot going to disk) arrives whole, private, and never through a
-symlink.
+symlink. Pruning a folder's snapshots leaves its other files, written or being
+written (another rank's exit mark).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bucketddp.elastic.files import BadMeta, decode_meta, encode_meta, tables
+from bucketddp.elastic.files import BadMeta, decode_meta, encode_meta, remove_except, tables
 from bucketddp.elastic.folder import Folder, UnsafeFolder
 from bucketddp.skeleton import TensorMeta
 
@@ -117,3 +118,16 @@ def test_a_meta_with_kept_tables_reads_back_as_one_made_afresh() -> None:
     assert fresh == payload
     kept = payload | {"tables": tables(payload)}
     assert decode_meta(encode_meta(kept, KEY), KEY) == fresh
+
+
+def test_pruning_snapshots_leaves_other_files_even_mid_write(tmp_path: Path) -> None:
+    """A rank keeping only the fit's end removed another rank's exit mark while its write
+    (a temporary file, then a rename) was in flight: no rank then saw every mark, and the
+    node's snapshots stayed in /dev/shm after a clean exit."""
+    folder = Folder.open(tmp_path / "run")
+    snapshots = ["a0.n0.l0.s0.meta", "a0.n0.l0.s0.data", "a0.n0.l0.s1.meta", "a0.n0.l0.s1.data"]
+    others = ["key", "exited.a0.n0.l0", "exited.a0.n0.l1.4242.tmp"]
+    for name in [*snapshots, "a0.n0.l1.s1.meta.4243.tmp", *others]:
+        folder.write(name, b"x")
+    remove_except(folder, ["a0.n0.l0.s0.meta"])
+    assert sorted(folder.names()) == sorted([*snapshots[:2], *others])

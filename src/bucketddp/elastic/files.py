@@ -242,10 +242,15 @@ def scan(folder: Folder, key: bytes) -> list[Snapshot]:
     return sorted(out, key=lambda s: s.key, reverse=True)
 
 
+_SNAPSHOT_FILE = re.compile(r".*\.(meta|data)(\.\d+\.tmp)?")  # with a meta's write in flight
+
+
 def remove_except(folder: Folder, keep: Iterable[str]) -> None:
-    """Remove every snapshot file in ``folder`` but the metas ``keep`` and their data."""
+    """Remove every snapshot file in ``folder`` (a ``.meta``, a ``.data``, a meta's
+    unfinished write) but the metas ``keep`` and their data. Other files stay, written or
+    in flight: another rank's exit mark (``ending.py``) may be on its way in."""
     kept = set(keep)
     kept |= {data_name(k) for k in kept}
     for name in folder.names():
-        if name not in kept and name.endswith((".meta", ".data", ".tmp")):
+        if name not in kept and _SNAPSHOT_FILE.fullmatch(name):
             folder.remove(name)
