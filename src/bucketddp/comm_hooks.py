@@ -74,6 +74,54 @@ def averaging_wire(hook: CommHook, buffer_dtype: torch.dtype) -> torch.dtype | N
     return None
 
 
+POWERSGD = _TORCH_HOOKS + "powerSGD_hook"
+"""The module of torch's ``powerSGD_hook``: a hook that averages each 1-D gradient of a
+bucket elementwise, uncompressed, with the buffer's dtype (``row_in_powersgd``)."""
+
+
+def row_in_powersgd(hook: CommHook, state: Any) -> bool:
+    """Whether ``hook`` is torch's ``powerSGD_hook`` with a ``state`` under which a trailing
+    1-D tensor in ``GradBucket.gradients()`` is averaged elementwise, never compressed.
+
+    PowerSGD sends a gradient uncompressed when ``(n + m) * rank * min_compression_rate``
+    is not below ``n * m``; for an ``n x 1`` tensor that holds for every ``n`` once
+    ``min_compression_rate >= 1`` (torch's default is 2) and ``rank >= 1``. Its vanilla
+    steps (before ``start_powerSGD_iter``) average the whole buffer. (``batched_powerSGD_hook``
+    compresses the whole buffer: it is not taken.)
+    """
+    module = sys.modules.get(POWERSGD)
+    if module is None or getattr(module, "powerSGD_hook", None) is not hook:
+        return False
+    return (
+        isinstance(state, module.PowerSGDState)
+        and state.min_compression_rate >= 1
+        and state.matrix_approximation_rank >= 1
+    )
+
+
+def fit_row_error(state: Any, index: int, numel: int, full: int, rides: bool) -> None:
+    """Fit PowerSGD's error feedback for bucket ``index`` to the buffer its hook gets next:
+    ``numel`` gradients, then up to ``full`` elements the agreement row when it ``rides``.
+
+    PowerSGD keeps, per bucket, what this rank's buffer lost in the step (its value minus
+    what came back) and adds it to the next step's buffer. For an averaged gradient that is
+    this rank's share of the ranks' difference; for the row it must be nothing, or the next
+    step's row would carry this one's: its part is zeroed. An entry of the other length (a
+    checkpoint from a run where the row rode, or went alone) is cut or padded with zeros;
+    the gradients' part is kept. An entry of any other length is left to PowerSGD.
+    """
+    error = state.error_dict.get(index) if state.use_error_feedback else None
+    if error is None or error.numel() not in (numel, full):
+        return
+    if not rides:
+        if error.numel() != numel:
+            state.error_dict[index] = error[:numel]
+    elif error.numel() == full:
+        error[numel:].zero_()
+    else:
+        state.error_dict[index] = torch.cat([error, error.new_zeros(full - numel)])
+
+
 def averages_exactly(wire: torch.dtype, world_size: int) -> bool:
     """Whether ``world_size`` ranks' 0/1 flags, averaged in ``wire`` and multiplied back by
     ``world_size``, round to their exact sum.

@@ -108,8 +108,9 @@ def _compare(rank: int, world: int, hook: str, tiny: bool) -> dict[str, Any]:
     }
 
 
-RIDES = {"allreduce", "fp16_compress"}
-"""The hooks whose last bucket carries the agreement row (see ``launch.HookLauncher``)."""
+RIDES = {"allreduce", "fp16_compress", "powersgd"}
+"""The hooks whose last bucket carries the agreement row (see ``launch.HookLauncher``):
+torch's averaging hooks in the buffer, PowerSGD as one more 1-D gradient."""
 
 ORDERED = {"fp16_wrapper", "custom", "powersgd"}
 """The hooks that may launch collectives from their callbacks (``launches_from_callbacks``):
@@ -127,7 +128,7 @@ def test_hook_gives_the_weights_of_torch_ddp_with_it(hook: str, tiny: bool) -> N
         if tiny:
             assert r["buckets"] > 2
         # One hook call per bucket, and the flags' own all-reduce, unless they rode in the
-        # last bucket (torch's averaging hooks, exact at this world size).
+        # last bucket (torch's averaging hooks and PowerSGD, exact at this world size).
         assert r["collectives"] == r["buckets"] + (0 if hook in RIDES else 1)
         # An ordered hook's row has a group of its own, with the wrapper's ranks.
         assert r["row"] == {"private": hook in ORDERED, "same_ranks": True}
@@ -391,11 +392,11 @@ def _missing_with(rank: int, world: int, hook: str) -> dict[str, Any]:
 def test_a_parameter_missing_on_one_rank_raises_on_every_rank_with_a_hook(
     hook: str, world: int
 ) -> None:
-    # With torch's averaging hooks the agreement row rides in the last bucket's buffer, and
-    # the hook averages it: the sum taken back must still name the parameter on every rank.
-    # At 3 ranks the fp16 average of a flag (1/3) is inexact, and rounding brings it back.
-    # An ordered hook's row (custom, PowerSGD) goes on a private group; any other hook's
-    # that does not ride (post-local SGD), on the wrapper's.
+    # With torch's averaging hooks and PowerSGD the agreement row rides in the last bucket,
+    # and the hook averages it: the sum taken back must still name the parameter on every
+    # rank. At 3 ranks the fp16 average of a flag (1/3) is inexact, and rounding brings it
+    # back. A row that does not ride goes on a private group for an ordered hook (custom),
+    # on the wrapper's for any other (post-local SGD).
     _skip_powersgd_where_cuda_is(hook)
     for r in run_ranks(_missing_with, world, hook, timeout=90):
         assert "parameters ['b.weight', 'b.bias'] received no gradient" in r["said"]
@@ -407,10 +408,60 @@ def test_a_parameter_missing_on_one_rank_raises_on_every_rank_with_a_hook(
 def test_hook_at_three_ranks_gives_the_weights_of_torch_ddp(hook: str) -> None:
     # Three ranks: the flags riding in the last bucket average to thirds, which float32
     # cannot hold exactly; multiplied back and rounded, every step must still read "as
-    # planned" (one collective per bucket) and match torch DDP. PowerSGD's row goes alone,
-    # on its private group: one collective more.
+    # planned" (one collective per bucket) and match torch DDP, PowerSGD's row included.
     _skip_powersgd_where_cuda_is(hook)
     for rank, r in enumerate(run_ranks(_compare, 3, hook, False, timeout=120)):
         assert_weights(r["ours"], r["theirs"], rank)
         assert r["collectives"] == r["buckets"] + (0 if hook in RIDES else 1)
         assert r["row"] == {"private": hook in ORDERED, "same_ranks": True}
+
+
+class _SometimesTwoHeads(nn.Module):
+    """Rank 1 leaves ``b`` out of its loss in steps 4 and 5, after PowerSGD has started to
+    compress: steps in which the ranks' agreement rows differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        out = self.a(x)
+        return out if dist.get_rank() == 1 and self.steps in (4, 5) else out + self.b(x)
+
+
+def _powersgd_row(rank: int, world: int) -> dict[str, Any]:
+    def run(hook: Callable[..., Any]) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = BucketDataParallel(_SometimesTwoHeads(), find_unused_parameters=True)
+        state, _ = _powersgd()
+        model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(7):
+            opt.zero_grad()
+            model(torch.randn(5, 8, generator=data)).sum().backward()
+            opt.step()
+        params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+        return {"params": params, "riding": model.reducer.launcher.riding}  # type: ignore[union-attr]
+
+    def renamed(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        # torch's PowerSGD, not recognized as such: its row is all-reduced on its own.
+        return powerSGD_hook.powerSGD_hook(state, bucket)
+
+    return {"rides": run(powerSGD_hook.powerSGD_hook), "alone": run(renamed)}
+
+
+def test_powersgd_carries_the_row_through_compressed_steps_where_the_ranks_differ() -> None:
+    # The row rides in PowerSGD's last bucket as one more 1-D gradient. In steps 4 and 5
+    # rank 1 has no gradient for ``b``: the rows differ, and the sum must still find that
+    # ``b`` was used on rank 0 only (its gradient averaged over the ranks, as planned). The
+    # weights equal those of the same training with the row all-reduced on its own, bit for
+    # bit; the compressed updates of ``b`` are in both.
+    _skip_powersgd_where_cuda_is("powersgd")
+    for r in run_ranks(_powersgd_row, 2, timeout=90):
+        assert r["rides"]["riding"] and not r["alone"]["riding"]
+        for name, want in r["alone"]["params"].items():
+            assert torch.equal(r["rides"]["params"][name], want), name

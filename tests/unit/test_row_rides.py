@@ -1,12 +1,18 @@
-"""The agreement row riding in an averaging hook's bucket: the world sizes where it is exact."""
+"""The agreement row riding in a hook's last bucket: which hooks carry it, and the world sizes
+where it is exact."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from bucketddp.comm_hooks import averages_exactly, averaging_wire
+from bucketddp.comm_hooks import (
+    averages_exactly,
+    averaging_wire,
+    fit_row_error,
+    row_in_powersgd,
+)
 
 
 def _largest_exact(wire: torch.dtype) -> int:
@@ -53,3 +59,31 @@ def test_only_torch_averaging_hooks_carry_the_row() -> None:
     wrapped = default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)
     assert averaging_wire(wrapped, torch.float32) is None
     assert not averages_exactly(torch.int32, 2)
+
+
+def test_only_torch_powersgd_hook_with_a_state_that_never_compresses_a_row_carries_it() -> None:
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1)
+    assert row_in_powersgd(powerSGD_hook.powerSGD_hook, state)
+    # The batched hook compresses the whole buffer, the row included.
+    assert not row_in_powersgd(powerSGD_hook.batched_powerSGD_hook, state)
+    # Under a compression rate below 1 an n x 1 tensor would be compressed too.
+    low = powerSGD_hook.PowerSGDState(process_group=None, min_compression_rate=0.5)
+    assert not row_in_powersgd(powerSGD_hook.powerSGD_hook, low)
+    assert not row_in_powersgd(default_hooks.allreduce_hook, None)
+
+
+def test_the_row_gets_no_error_feedback_and_a_saved_entry_of_the_other_layout_fits() -> None:
+    state = powerSGD_hook.PowerSGDState(process_group=None)
+    fit_row_error(state, 0, 3, 5, True)  # no entry yet: nothing to fit
+    assert state.error_dict == {}
+    state.error_dict[0] = torch.arange(1.0, 6.0)
+    fit_row_error(state, 0, 3, 5, True)  # the row's part is zeroed, the gradients' kept
+    assert state.error_dict[0].tolist() == [1.0, 2.0, 3.0, 0.0, 0.0]
+    state.error_dict[0] = torch.arange(1.0, 4.0)  # saved where the row went alone
+    fit_row_error(state, 0, 3, 5, True)
+    assert state.error_dict[0].tolist() == [1.0, 2.0, 3.0, 0.0, 0.0]
+    fit_row_error(state, 0, 3, 5, False)  # and back
+    assert state.error_dict[0].tolist() == [1.0, 2.0, 3.0]
+    state.error_dict[0] = torch.arange(1.0, 8.0)  # another layout: PowerSGD will say so
+    fit_row_error(state, 0, 3, 5, True)
+    assert state.error_dict[0].numel() == 7
