@@ -138,9 +138,11 @@ def test_hook_gives_the_weights_of_torch_ddp_with_it(hook: str, tiny: bool) -> N
         assert any(not torch.equal(r["ours"][n], r["plain"][n]) for n in r["plain"])
 
 
-def _with_hook(system: Callable[..., nn.Module], hook: Callable[..., Any]) -> Callable[..., Any]:
+def _with_hook(
+    system: Callable[..., nn.Module], hook: Callable[..., Any], **opts: Any
+) -> Callable[..., Any]:
     def wrap(model: nn.Module) -> nn.Module:
-        wrapped = system(model)
+        wrapped = system(model, **opts)
         wrapped.register_comm_hook(None, hook)  # type: ignore[operator]
         return wrapped
 
@@ -414,6 +416,61 @@ def test_hook_at_three_ranks_gives_the_weights_of_torch_ddp(hook: str) -> None:
         assert_weights(r["ours"], r["theirs"], rank)
         assert r["collectives"] == r["buckets"] + (0 if hook in RIDES else 1)
         assert r["row"] == {"private": hook in ORDERED, "same_ranks": True}
+
+
+def _allreduce_inside(state, bucket):  # type: ignore[no-untyped-def]
+    return default_hooks.allreduce_hook(state, bucket)  # the user's code around torch's
+
+
+NATIVE = {
+    "allreduce": (default_hooks.allreduce_hook, True),
+    "fp16_compress": (default_hooks.fp16_compress_hook, True),
+    "allreduce_inside": (_allreduce_inside, False),
+}
+"""Each hook, and whether bucketddp runs it itself (torch's averaging hooks, by identity:
+``native_hooks.py``) rather than call it. (torch DDP refuses torch's bf16 hook on gloo; the
+bf16 test below compares it with the same arithmetic under another name.)"""
+
+
+def _torch_hook_calls(rank: int, world: int, hook: str) -> dict[str, Any]:
+    """How often torch's averaging code ran in training under each wrapper with ``hook``."""
+    calls = {"n": 0}
+    real = {name: getattr(default_hooks, name) for name in ("_allreduce_fut", "_compress_hook")}
+
+    def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, fn in real.items():
+        setattr(default_hooks, name, counted(fn))
+    out: dict[str, Any] = {}
+    try:
+        for label, system in (("ours", BucketDataParallel), ("theirs", DDP)):
+            calls["n"] = 0
+            opts = TINY if system is BucketDataParallel else {}  # several buckets
+            result = train("mlp", _with_hook(system, NATIVE[hook][0], **opts), rank, steps=3)
+            out[label] = result["params"]
+            out[f"{label}_calls"] = calls["n"]
+    finally:
+        for name, fn in real.items():
+            setattr(default_hooks, name, fn)
+    return out
+
+
+@pytest.mark.parametrize("hook", list(NATIVE))
+def test_torchs_averaging_hooks_run_without_their_callbacks_and_give_the_same_weights(
+    hook: str,
+) -> None:
+    # torch's allreduce_hook and fp16_compress_hook are run by bucketddp itself: the same
+    # arithmetic, with no Python callback on gloo's thread. A hook built on them (a
+    # wrapper, the user's own code) is still called, as torch DDP calls every hook.
+    for rank, r in enumerate(run_ranks(_torch_hook_calls, 2, hook, timeout=90)):
+        assert_weights(r["ours"], r["theirs"], rank)
+        assert r["theirs_calls"] > 0  # torch DDP ran torch's code: the count works
+        assert (r["ours_calls"] == 0) is NATIVE[hook][1]
 
 
 class _SometimesTwoHeads(nn.Module):

@@ -34,6 +34,7 @@ from ..comm_hooks import (
     run_hook,
 )
 from . import errors
+from .native_hooks import native_hook
 from .sparse import SparseGradients
 from .state import FiniteGuard, Launcher, ReducerState
 from .storage import Bucket, slot_views
@@ -82,10 +83,11 @@ class AllReduceLauncher:
 class HookLauncher:
     """Reduces each bucket's gradients with a registered ``hook(state, bucket)``.
 
-    Each bucket's hook is called as soon as the bucket is full. A hook that launches
-    collectives from its futures' callbacks (PowerSGD; see ``comm_hooks.py``) is *ordered*:
-    bucket ``k``'s call waits until bucket ``k - 1``'s future is done, so that those
-    collectives keep one order on every rank.
+    Each bucket's hook is called as soon as the bucket is full (torch's averaging hooks,
+    registered as they are, are run here instead, with no callback: ``native_hooks.py``).
+    A hook that launches collectives from its futures' callbacks (PowerSGD; see
+    ``comm_hooks.py``) is *ordered*: bucket ``k``'s call waits until bucket ``k - 1``'s
+    future is done, so that those collectives keep one order on every rank.
 
     The agreement row rides in the last bucket's buffer when the hook is one of torch's
     that average the whole buffer elementwise over the wrapper's group (``allreduce_hook``,
@@ -128,6 +130,8 @@ class HookLauncher:
         self._row_may_ride = row_may_ride
         # The row rides as a gradient of its own, which the hook averages (PowerSGD).
         self._row_as_gradient = row_in_powersgd(hook, state)
+        # torch's averaging hooks, run here with no callback (native_hooks.py); else None.
+        self._native = native_hook(hook, state)
         self._rides_by_dtype: dict[torch.dtype, bool] = {}
         self.riding = False  # the row rode in the last bucket of the step under way
         # The future of the hook called last in this step: with an ordered hook, the next
@@ -198,6 +202,10 @@ class HookLauncher:
         """Call the hook on bucket ``k``'s ``buffer``; ``views`` makes what its
         ``gradients()`` returns (the bucket's ``views_for_hook``; None: views of ``buffer``
         made if it asks, for a joined rank's stand-ins)."""
+        if self._native is not None:
+            averaged: Any = self._native(buffer)  # waited for as a hook's future is
+            self._tail = averaged
+            return averaged
         if views is None:
             views = functools.partial(slot_views, buffer, params)
         bucket = GradBucket(k, buffer, views, params, last)  # type: ignore[arg-type]
