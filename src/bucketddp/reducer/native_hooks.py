@@ -26,18 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import wait_kept
-from ..comm_hooks import CommHook
-
-DEFAULT_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
-"""The module of torch's ``allreduce_hook``."""
-
-
-WIRES: dict[str, torch.dtype | None] = {
-    "allreduce_hook": None,
-    "fp16_compress_hook": torch.float16,
-    "bf16_compress_hook": torch.bfloat16,
-}
-"""The hooks run here, with the dtype each averages in (None: the buffer's own)."""
+from ..comm_hooks import AVERAGING, CommHook
 
 
 class Averaged:
@@ -70,16 +59,20 @@ class Averaged:
 
 def native_hook(hook: CommHook, state: Any) -> Callable[[torch.Tensor], Averaged] | None:
     """What averages a buffer as ``hook(state, bucket)`` would, when ``hook`` is one of
-    torch's hooks in ``WIRES`` with a process group (or None, for the default group) as
-    ``state``; None for any other hook, which is then called.
+    torch's averaging hooks (``comm_hooks.AVERAGING``) with a process group (or None, for
+    the default group) as ``state``; None for any other hook, which is then called.
     """
-    module = sys.modules.get(DEFAULT_HOOKS)
-    if module is None or (state is not None and not isinstance(state, dist.ProcessGroup)):
+    if state is not None and not isinstance(state, dist.ProcessGroup):
+        return None  # torch's hook decides what to do with it
+    found = [
+        wire
+        for module, hooks in AVERAGING.items()
+        for name, wire in hooks.items()
+        if getattr(sys.modules.get(module), name, None) is hook
+    ]
+    if not found:
         return None
-    names = [name for name in WIRES if getattr(module, name, None) is hook]
-    if not names:
-        return None
-    dtype = WIRES[names[0]]
+    dtype = found[0]
 
     def average(buffer: torch.Tensor) -> Averaged:
         # The default group is looked up at each call, as torch's hooks do.
