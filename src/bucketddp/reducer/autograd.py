@@ -62,6 +62,19 @@ def ready_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> Rem
         param.requires_grad_(False)
 
 
+def ready_hook_first(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
+    """``ready_hook``, run before the hooks ``param`` has already (someone else's, which
+    then see the ``.grad`` the reducer leaves, as they did before)."""
+    handle = ready_hook(param, hook)
+    # Reinserted, not move_to_end: torch runs them in the order of the underlying dict.
+    hooks: dict[int, Any] = param._post_accumulate_grad_hooks
+    others = [(k, h) for k, h in hooks.items() if k != handle.id]
+    hooks.clear()
+    hooks[handle.id] = hook
+    hooks.update(others)
+    return handle
+
+
 def when_given(hook: Callable[[int, torch.Tensor], None], i: int, param: torch.Tensor) -> None:
     """Call ``hook(i, param)`` unless ``param`` has no gradient after all.
 

@@ -19,6 +19,7 @@ call a method of the reducer's.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -37,8 +38,9 @@ from ..naming import first_names
 from ..notice import NOTICE
 from . import errors, layout
 from .agreement import check, check_local
-from .autograd import COMPILED_AUTOGRAD, Once, compiled_autograd
+from .autograd import COMPILED_AUTOGRAD, Once, compiled_autograd, ready_hook_first
 from .copy_back import take_agreed, take_as_planned
+from .deferred import DeferredBucket, eligible
 from .finite import FiniteCheck
 from .kept_grads import SOLE_REFS, copy_on_write, kept_elsewhere, move_bucket
 from .launch import AllReduceLauncher, checked, hook_launcher
@@ -47,7 +49,7 @@ from .module_changes import ModuleChanges
 from .order import checkpoint_plan, learned_plan
 from .prefill import average_placed, prefill
 from .requires_grad import RequiresGradWatch, reduce_joined
-from .state import BufferLayout, Launcher, ReducerState
+from .state import BufferLayout, Deferred, Launcher, ReducerState
 from .static_graph import StaticGraph
 from .stats import CommStats
 from .storage import Bucket
@@ -74,6 +76,7 @@ class ReducerPlan(ReducerState):
         ready order, and hooks each of them.
         """
         self._unhook()
+        self.deferred = None  # its members' hooks went with the others
         m = self.m = Members(self.all_named, indices, self.sparse_names)
         self.members, self.outside = m.indices, m.outside
         self.names, self.params = m.names, m.params
@@ -116,6 +119,26 @@ class ReducerPlan(ReducerState):
         storage.count_own_tensors()
         if self.rank == 0:
             log.debug("bucketddp plan: %s", new.plan.describe())
+        self._defer_last()
+
+    def _defer_last(self) -> None:
+        """Stage the last bucket at the end of the backward, if it can be (``deferred.py``).
+
+        Run whenever the plan or its buckets change: hooks its previous members again first.
+        """
+        old = self.deferred
+        if old is not None:
+            self.deferred = None
+            for i in old.members:
+                self.hook_handles[i] = ready_hook_first(
+                    self.params[i], functools.partial(self.autograd_hook, i)
+                )
+        if self.defer_allowed and eligible(self):
+            deferred = DeferredBucket(self.buckets[-1], self.params)
+            if deferred.members:
+                self.deferred = deferred
+                for i in deferred.members:
+                    self.hook_handles[i].remove()
 
     def _unhook(self) -> None:
         """Detach the planned parameters' hooks."""
@@ -130,6 +153,7 @@ class ReducerPlan(ReducerState):
         self.observed = None
         if layout.same_buckets(plan, self.plan):
             self.plan = plan  # same buckets: keep the storage, remember the order
+            self._defer_last()
         else:
             self._install(layout.build(self, plan))
 
@@ -138,8 +162,8 @@ class ReducerPlan(ReducerState):
         plan = checkpoint_plan(self, order)
         if plan is None:
             return False
-        self._install(layout.build(self, plan))
         self.observed = None
+        self._install(layout.build(self, plan))
         return True
 
     def use_caps(self, caps: tuple[int, int]) -> None:
@@ -235,6 +259,10 @@ class Reducer(ReducerPlan):
         self.frozen_watch: RequiresGradWatch | None = None
         self.module_changes: ModuleChanges | None = None
         self._next = 0  # the next bucket to launch, in plan order
+        # The last bucket, staged at the end of the backward (deferred.py), unless a step
+        # showed that .grad cannot tell which of its members got a gradient.
+        self.deferred: Deferred | None = None
+        self.defer_allowed = True
         self._plan_members(trainable)
 
     @property
@@ -342,6 +370,8 @@ class Reducer(ReducerPlan):
     # ------------------------------------------------------------- end of backward
     def finalize_backward(self) -> None:
         """Runs once at the end of each backward pass that touched a parameter."""
+        if self.deferred is not None:
+            self._count_deferred(self.deferred)
         node = torch._C._current_autograd_node()
         if node is not None and not self._from_output and self.n_ready < len(self.ready):
             # The end of a backward nested in another (a reentrant checkpoint segment's)
@@ -362,10 +392,46 @@ class Reducer(ReducerPlan):
             self.reset_step(synced=True)
         self.end_synced_step(error, joined)
 
+    def _count_deferred(self, deferred: Deferred) -> None:
+        """Count the deferred members that got a gradient in this backward as ready."""
+        for i in deferred.arrivals(self.ready, self.params, self.views):
+            self.ready[i] = True
+            self.used[i] = True
+            self.n_ready += 1
+
+    def _stage_deferred(self, deferred: Deferred) -> None:
+        """Stage the deferred members that got a gradient, at the end of the backward.
+
+        Averaged as ``fill_slot`` does, in a batch: copied, then multiplied by the bucket's
+        scale (the same values as ``torch.mul`` into the slot).
+        """
+        bucket, params = deferred.bucket, self.params
+        fast, grads, slots, slow = deferred.take(self.views, self.ptrs)
+        if fast and not bucket.written and kept_elsewhere(self.storage, bucket):
+            slow, fast = sorted(slow + fast), []  # the bucket must move first (fill_slot)
+        for i in slow:
+            grad = params[i].grad
+            view = self.fill_slot(i, grad)
+            if grad is not view:
+                params[i].grad = view
+        if fast:
+            bucket.written = True
+            torch._foreach_copy_(slots, grads)
+            if not self.launcher.averages:
+                torch._foreach_mul_(slots, bucket.scale)
+            del grads
+            for i, view in zip(fast, slots, strict=True):
+                params[i].grad = view
+        bucket.pending -= len(fast) + len(slow)
+        if bucket.pending == 0:
+            bucket.ready_at = time.perf_counter()
+
     def _reduce(self) -> tuple[str | None, list[int]]:
         """Launch what is left, wait for everything, agree; returns (error, joining params)."""
         if self.static is not None:
             self.static.before_reduce()
+        if self.deferred is not None:
+            self._stage_deferred(self.deferred)
         missing_here: list[int] = []
         if self.n_ready < len(self.ready):
             missing_here = [i for i, ready in enumerate(self.ready) if not ready]
@@ -439,6 +505,12 @@ class Reducer(ReducerPlan):
             bucket.pending = bucket.expected
             bucket.written = False
             bucket.placed.clear()
+        if self.deferred is not None:
+            self.deferred.remember(synced, self.params, self.views)
+        if self.deferred is not None and self.deferred.blind:
+            # A member's .grad was its slot: counted this step, hooked from the next one.
+            self.defer_allowed = False
+            self._defer_last()
 
     # ------------------------------------------------------- seams for the plug-ins
     def _before_last(self) -> None:
@@ -459,7 +531,10 @@ class Reducer(ReducerPlan):
 
     # ------------------------------------------------- what the wrapper tells the reducer
     def before_forward(self) -> None:
-        """Before a forward: notice parameters outside the plan that now require grad."""
+        """Before a forward: notice parameters outside the plan that now require grad, and
+        hooks on deferred members (which then get the reducer's back)."""
+        if self.deferred is not None and self.deferred.hooked():
+            self._defer_last()
         if self.module_changes is not None:
             self.module_changes.check_frozen()
         if self.frozen_watch is not None:

@@ -34,7 +34,12 @@ def describe(r: ReducerState) -> tuple[bool, str]:
     if not r.in_backward:
         return False, ""
     ready = list(r.ready)
+    deferred = r.deferred
     for k, bucket in enumerate(buckets):
+        if deferred is not None and bucket is deferred.bucket:
+            # Staged at the end of the backward (deferred.py): its members are not counted
+            # as they come.
+            return False, f"backward, before bucket {k} of {len(buckets)} (staged at its end)"
         if bucket.pending > 0:
             missing = [r.names[i] for i in bucket.members if i < len(ready) and not ready[i]]
             shown = ", ".join(missing[:_NAMES])

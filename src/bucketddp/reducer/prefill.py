@@ -36,9 +36,10 @@ def prefill(r: ReducerState, first: int) -> None:
     """
     views = r.views
     current = r.params[first]
+    deferred = r.deferred.bucket if r.deferred is not None else None
     for bucket in r.buckets:
-        if not bucket.small:
-            continue
+        if not bucket.small or bucket is deferred:
+            continue  # none to place, or staged at the end of the backward (deferred.py)
         # Not: a .grad to add to, a frozen parameter (its .grad stays None), or this one.
         placed = [
             i for i, p in bucket.small if p.grad is None and p.requires_grad and p is not current

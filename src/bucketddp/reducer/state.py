@@ -133,6 +133,36 @@ class FrozenWatch(Protocol):
         ...
 
 
+class Deferred(Protocol):
+    """The last bucket, staged at the end of the backward (``deferred.py``)."""
+
+    bucket: Bucket
+    members: list[int]  # those with no hook
+    blind: bool  # a member's .grad was its slot at the end of a backward
+
+    def hooked(self) -> bool:
+        """Whether someone hooked a member since."""
+        ...
+
+    def arrivals(
+        self, ready: Sequence[bool], params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]
+    ) -> list[int]:
+        """The members not yet counted ready that got a gradient."""
+        ...
+
+    def take(
+        self, views: Sequence[torch.Tensor], ptrs: Sequence[int]
+    ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """Those counted ready: (batch indices, gradients, slots), and the others."""
+        ...
+
+    def remember(
+        self, synced: bool, params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]
+    ) -> None:
+        """At the end of a backward: note the members' ``.grad``."""
+        ...
+
+
 class FiniteGuard(Protocol):
     """``check_finite=True`` (``finite.py``): NaN and Inf reported through the row."""
 
@@ -223,6 +253,8 @@ class ReducerState(ABC):
     frozen_watch: FrozenWatch | None
     module_changes: ModuleChanges | None
     finite: FiniteGuard | None
+    deferred: Deferred | None  # the last bucket, staged at the end of the backward
+    defer_allowed: bool
 
     @property
     def device(self) -> torch.device:
