@@ -7,8 +7,14 @@ last to be ready, at the end of the backward, so staging its gradients one by on
 come buys no overlap. Once the plan is learned (the first synced backward, which runs with
 every hook, gives the ready order), the last bucket's members lose their hooks, all but
 its first to be ready, which keeps the end-of-backward callback queued where the backward
-does not start at the forward's outputs. At the end of the backward the reducer reads
-which of them got a gradient from their ``.grad`` and stages those there.
+does not start at the forward's outputs, and any with a post-accumulate hook of someone
+else's, which must see the slot in ``.grad`` (checked again before each forward). At the
+end of the backward the reducer reads which of them got a gradient from their ``.grad``
+and stages those there. What the hooks saw and this does not: a backward that does not
+start at the forward's outputs and gives gradients to hookless members only (nothing
+queues its end, so they are not reduced in it, only with a later backward's), and a
+member given two gradients in one backward (the first synced step, which runs with every
+hook, names it).
 
 How ``.grad`` tells: after a synced step each member's ``.grad`` is its slot
 (``gradient_as_bucket_view``). None means no gradient since, and another tensor (the one
@@ -17,10 +23,10 @@ does not sync (``no_sync()``) the reducer notes each ``.grad`` and its version, 
 the next backward counts only what it changed (a backward that accumulates nothing,
 ``torch.autograd.grad``, changes nothing). A ``.grad`` that still is the slot
 (``zero_grad(set_to_none=False)``, or no zeroing) cannot tell: a bucket's slots share one
-version counter. That step counts
-such members as given a gradient, which averages exactly what their ``.grad`` holds, as
-torch DDP does for a used parameter, and the bucket goes back to per-gradient hooks for
-good, so that a parameter the graph stopped using is named again from the next step on.
+version counter. That step counts such members as given a gradient, which averages
+exactly what their ``.grad`` holds, as torch DDP does for a used parameter, and the bucket
+goes back to per-gradient hooks for good, so that a parameter the graph stopped using is
+named again from the next step on.
 
 Only with ``gradient_as_bucket_view`` (the default) and without ``find_unused_parameters``,
 ``static_graph`` or sparse gradients, whose bookkeeping needs every gradient's hook.
