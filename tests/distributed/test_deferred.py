@@ -25,19 +25,23 @@ STEPS = 5
 
 
 class Gated(nn.Module):
-    """Four layers in one bucket; ``skip`` leaves out the second."""
+    """Eleven layers in one bucket; ``skip`` leaves out ``middle``. ``wide.weight`` is
+    larger than ``deferred.LARGEST``; ``depth=0`` leaves three layers, too few to defer."""
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int = 7) -> None:
         super().__init__()
         self.stem = nn.Linear(6, 8)
         self.middle = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 3)
+        self.tail = nn.Sequential(*(nn.Linear(8, 8) for _ in range(depth)))
+        width = 2100 if depth else 8
+        self.wide = nn.Linear(8, width) if depth else nn.Identity()
+        self.head = nn.Linear(width, 3)
 
     def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
         h = torch.relu(self.stem(x))
         if not skip:
             h = torch.relu(self.middle(h))
-        return self.head(h)
+        return self.head(torch.relu(self.wide(self.tail(h))))
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +56,11 @@ def _deferred_names(wrapped: BucketDataParallel) -> list[str]:
 
 def _train(rank: int, world: int, set_to_none: bool, accumulate: int) -> dict[str, Any]:
     out: dict[str, Any] = {"deferred": []}
-    for name, wrap in (("ours", BucketDataParallel), ("torch", DDP)):
+    for name, wrap in (("ours", BucketDataParallel), ("torch", DDP), ("few", BucketDataParallel)):
         torch.manual_seed(0)
-        model = Gated()
+        model = Gated(depth=0 if name == "few" else 7)
         wrapped = wrap(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         for step in range(STEPS):
             for micro in range(accumulate):
                 x, y = _batch(step * accumulate + micro, rank)
@@ -67,7 +71,7 @@ def _train(rank: int, world: int, set_to_none: bool, accumulate: int) -> dict[st
                     F.mse_loss(wrapped(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
-            if name == "ours":
+            if name != "torch":
                 out["deferred"].append(_deferred_names(wrapped))
         out[name] = [p.detach().clone() for p in model.parameters()]
     return out
@@ -84,14 +88,18 @@ def test_the_last_bucket_staged_at_the_end_gives_torch_ddps_weights(
     for r in run_ranks(_train, 2, set_to_none, accumulate, timeout=60):
         for ours, theirs in zip(r["ours"], r["torch"], strict=True):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
-        # Deferred from the second step: all but the first to be ready (head.bias).
+        # Deferred from the second step: all but the first to be ready (head.bias) and the
+        # one too large (wide.weight).
         first = r["deferred"][0]
-        assert len(first) == 5 and "head.bias" not in first, first
+        assert len(first) == 20 and "wide.bias" in first, first
+        assert "head.bias" not in first and "wide.weight" not in first, first
         if set_to_none:
-            assert r["deferred"] == [first] * STEPS
+            assert r["deferred"][:STEPS] == [first] * STEPS
         else:
             # A zeroed .grad is its slot, which cannot tell: hooks again from the third step.
-            assert r["deferred"] == [first] + [[]] * (STEPS - 1)
+            assert r["deferred"][:STEPS] == [first] + [[]] * (STEPS - 1)
+        # Three layers: too few members to defer, every hook stays.
+        assert r["deferred"][STEPS:] == [[]] * STEPS
 
 
 def _step(wrapped: BucketDataParallel, x: torch.Tensor, y: torch.Tensor, skip: bool) -> None:
@@ -102,7 +110,7 @@ def _unused_later(rank: int, world: int, set_to_none: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Gated()
     wrapped = BucketDataParallel(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     deferred = []
     for step in range(STEPS):
         deferred.append(_deferred_names(wrapped))

@@ -40,7 +40,7 @@ from . import errors, layout
 from .agreement import check, check_local
 from .autograd import COMPILED_AUTOGRAD, Once, compiled_autograd, ready_hook_first
 from .copy_back import take_agreed, take_as_planned
-from .deferred import DeferredBucket, eligible
+from .deferred import FEWEST, DeferredBucket, eligible
 from .finite import FiniteCheck
 from .kept_grads import SOLE_REFS, copy_on_write, kept_elsewhere, move_bucket
 from .launch import AllReduceLauncher, checked, hook_launcher
@@ -135,7 +135,7 @@ class ReducerPlan(ReducerState):
                 )
         if self.defer_allowed and eligible(self):
             deferred = DeferredBucket(self.buckets[-1], self.params)
-            if deferred.members:
+            if len(deferred.members) >= FEWEST:
                 self.deferred = deferred
                 for i in deferred.members:
                     self.hook_handles[i].remove()
