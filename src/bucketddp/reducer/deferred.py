@@ -8,8 +8,9 @@ come buys no overlap. Once the plan is learned (the first synced backward, which
 every hook, gives the ready order), the last bucket's members lose their hooks, all but
 its first to be ready, which keeps the end-of-backward callback queued where the backward
 does not start at the forward's outputs, and any with a post-accumulate hook of someone
-else's, which must see the slot in ``.grad`` (checked again before each forward). At the
-end of the backward the reducer reads which of them got a gradient from their ``.grad``
+else's, which must see the slot in ``.grad`` (checked again before each forward), or
+more than ``LARGEST`` elements; and only if ``FEWEST`` or more are left. At the end of
+the backward the reducer reads which of them got a gradient from their ``.grad``
 and stages those there. What the hooks saw and this does not: a backward that does not
 start at the forward's outputs and gives gradients to hookless members only (nothing
 queues its end, so they are not reduced in it, only with a later backward's), and a
