@@ -40,7 +40,7 @@ from . import errors, layout
 from .agreement import check, check_local
 from .autograd import COMPILED_AUTOGRAD, Once, compiled_autograd, ready_hook_first
 from .copy_back import take_agreed, take_as_planned
-from .deferred import FEWEST, DeferredBucket, eligible
+from .deferred import defer_last
 from .finite import FiniteCheck
 from .kept_grads import SOLE_REFS, copy_on_write, kept_elsewhere, move_bucket
 from .launch import AllReduceLauncher, checked, hook_launcher
@@ -133,12 +133,11 @@ class ReducerPlan(ReducerState):
                 self.hook_handles[i] = ready_hook_first(
                     self.params[i], functools.partial(self.autograd_hook, i)
                 )
-        if self.defer_allowed and eligible(self):
-            deferred = DeferredBucket(self.buckets[-1], self.params)
-            if len(deferred.members) >= FEWEST:
-                self.deferred = deferred
-                for i in deferred.members:
-                    self.hook_handles[i].remove()
+        deferred = defer_last(self) if self.defer_allowed else None
+        if deferred is not None:
+            self.deferred = deferred
+            for i in deferred.members:
+                self.hook_handles[i].remove()
 
     def _unhook(self) -> None:
         """Detach the planned parameters' hooks."""
@@ -505,12 +504,13 @@ class Reducer(ReducerPlan):
             bucket.pending = bucket.expected
             bucket.written = False
             bucket.placed.clear()
-        if self.deferred is not None:
-            self.deferred.remember(synced, self.params, self.views)
-        if self.deferred is not None and self.deferred.blind:
-            # A member's .grad was its slot: counted this step, hooked from the next one.
-            self.defer_allowed = False
-            self._defer_last()
+        deferred = self.deferred
+        if deferred is not None:
+            deferred.remember(synced, self.params, self.views)
+            if deferred.blind:
+                # A member's .grad was its slot: counted this step, hooked from the next one.
+                self.defer_allowed = False
+                self._defer_last()
 
     # ------------------------------------------------------- seams for the plug-ins
     def _before_last(self) -> None:

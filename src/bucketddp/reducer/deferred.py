@@ -58,9 +58,10 @@ would lose ``prefill``'s in-place accumulation. (A 6k-parameter MLP, 5 members, 
 gain deferred.)"""
 
 
-def eligible(r: ReducerState) -> bool:
-    """Whether ``r``'s last bucket can be staged at the end of the backward."""
-    return (
+def defer_last(r: ReducerState) -> DeferredBucket | None:
+    """``r``'s last bucket, to be staged at the end of the backward; None if it cannot be,
+    or if fewer than ``FEWEST`` of its members would lose their hooks."""
+    if not (
         r.communicates
         and r.observed is None
         and r.gradient_as_bucket_view
@@ -68,8 +69,10 @@ def eligible(r: ReducerState) -> bool:
         and r.static is None
         and r.sparse is None
         and len(r.buckets) > 0
-        and len(r.buckets[-1].members) > 1
-    )
+    ):
+        return None
+    deferred = DeferredBucket(r.buckets[-1], r.params)
+    return deferred if len(deferred.members) >= FEWEST else None
 
 
 class DeferredBucket:
