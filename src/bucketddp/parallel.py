@@ -136,6 +136,9 @@ class BucketDataParallel(nn.Module, Joinable):
         self.gradient_as_bucket_view = options.gradient_as_bucket_view
 
         self.parameters_to_ignore = ignored_names(module)
+        # Before the first collective: a new watchdog takes the store's earlier records as
+        # the past then (faults/board.py), when no rank can have failed in this run yet.
+        self._start_watchdog()
         verify_same_model(
             model_signature(module, self.parameters_to_ignore),
             process_group,
@@ -175,12 +178,15 @@ class BucketDataParallel(nn.Module, Joinable):
         # torch DDP's rule: buffers are synced before a forward that follows a synced,
         # grad-enabled forward (and before the very first one).
         self._sync_buffers_next = True
-        self._watch()
+        self._note_registrations()
 
-    def _watch(self) -> None:
-        """Start the watchdog (if on), and note the module assignments made so far."""
+    def _start_watchdog(self) -> None:
+        """Have this process's watchdog (if on) watch this wrapper."""
         if self.options.watchdog:
             watch(self, self.options.stall_timeout)
+
+    def _note_registrations(self) -> None:
+        """Note the module assignments made so far."""
         # Later assignments (here, or after torch.load in a new process) may replace parameters.
         _structure.watch()
         self._registrations = _structure.registrations()
@@ -346,7 +352,8 @@ class BucketDataParallel(nn.Module, Joinable):
         self.buffers_sync.world_size = self.reducer.world_size  # torch.load: maybe another
         if order is not None:
             self.reducer.load_order(order)
-        self._watch()
+        self._start_watchdog()
+        self._note_registrations()
 
     def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The module's parameters this wrapper synchronizes: all but the ignored ones."""

@@ -185,5 +185,67 @@ def test_the_watchdog_ends_with_the_last_wrapper_it_watches() -> None:
     assert run_ranks(_lifetimes, 2) == [expected, expected]
 
 
+class _Unused(torch.nn.Module):
+    """A layer that never reaches the loss: the reducer's error ends each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+        self.idle = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _train_again_after_a_failure(rank: int, world: int, folder: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # A first run fails on every rank: each reports its own error, as the strategies do.
+    first = BucketDataParallel(_Unused())
+    dog = current()
+    assert dog is not None and dog.board.wait_connected(HANG_GUARD)
+    try:
+        first(torch.randn(4, 8)).sum().backward()
+    except RuntimeError as e:
+        dog.report_exception(e)
+        out["first"] = str(e)
+    dist.barrier()  # the next run's setup; ``first`` stays alive, still watched
+    # The second run trains for longer than a peer's failure takes to end a rank.
+    second = BucketDataParallel(_model())
+    out["new watchdog"] = current() is not dog
+    started = time.monotonic()
+    steps = 0
+    while steps < 40 or time.monotonic() - started < 4.0:
+        second(torch.randn(4, 8)).sum().backward()
+        steps += 1
+        time.sleep(0.05)
+    dist.all_reduce(torch.zeros(1))  # both ranks trained the same steps
+    out["steps"] = steps
+    # ... and a failure in it is still named.
+    if rank == 1:
+        dog = current()
+        assert dog is not None
+        dog.report_exception(ValueError("the second run fails on rank 1"))
+        _wait_for([Path(folder) / "told0"])
+        return out
+    started = time.monotonic()
+    out["second"] = raised(lambda: time.sleep(HANG_GUARD), RankFailedError)
+    out["told_s"] = time.monotonic() - started
+    (Path(folder) / "told0").touch()
+    return out
+
+
+def test_a_run_after_a_failed_one_is_not_ended_by_its_faults(tmp_path: Path) -> None:
+    """The store keeps a failed run's fault records; the next wrapper's watchdog must not
+    take them for its own run's, and must still name a new failure."""
+    results = run_ranks(_train_again_after_a_failure, 2, str(tmp_path), timeout=2 * HANG_GUARD)
+    for out in results:
+        assert "['idle.weight', 'idle.bias'] received no gradient" in out["first"], out
+        assert out["new watchdog"], out
+        assert out["steps"] >= 40, out
+    assert "rank 1" in results[0]["second"], results[0]
+    assert "the second run fails on rank 1" in results[0]["second"], results[0]
+    assert results[0]["told_s"] < 10.0, results[0]
+
+
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])

@@ -17,6 +17,11 @@ Keys (one writer each, except the counters):
     alarm           counter: a rank saw itself wait longer than the stall timeout
     reports         append-only log of stall reports (phase, step, stacks), one per line
     beat/<rank>     each rank's progress, rewritten by its watchdog every interval
+
+The keys outlive a watchdog: a process that trains again in the same process group (a
+second ``fit`` after a failed one, in a notebook or a test) finds the last run's faults and
+alarm there. Each board takes what its store already holds as the past (``start``, on the
+caller's thread, before the wrapper's first collective) and reads only what came after.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._compat import store_connection
+from .._compat import base_store, store_connection
 
 PREFIX = "bucketddp/faults"
 STORE_TIMEOUT = timedelta(seconds=10)  # for each call on the board
@@ -62,6 +67,31 @@ class Board:
         self._connected = threading.Event()
         self.rank = rank
         self.world_size = world_size
+        # What the store held when this board started: earlier runs' records, skipped.
+        self._past_faults = 0
+        self._past_reports = 0
+        self._past_alarms = 0
+        self.past_events = 0
+
+    def start(self) -> None:
+        """Take what the board's keys hold now as an earlier run's, and clear this rank's
+        beat; on the caller's thread, over the store's open connection (no new one).
+
+        Called before the wrapper's first collective: no other rank can have failed in
+        this run yet, and the earlier run's ranks posted before they reached it.
+        """
+        base = base_store(self._source)
+        # The same keys as the board's own connection (see ``store_connection``).
+        view = dist.PrefixStore(
+            namespace(), base if isinstance(base, dist.TCPStore) else self._source
+        )
+        self.past_events = int(view.add("events", 0))
+        if self.past_events:
+            self._past_faults = _count(view, "faults")
+            self._past_reports = _count(view, "reports")
+            self._past_alarms = int(view.add("alarm", 0))
+        # A beat left by this rank's last watchdog would look like a silent one.
+        view.delete_key(f"beat/{self.rank}")
 
     def connect(self) -> None:
         """Open the board's own store connection; raises what the store raises."""
@@ -97,10 +127,10 @@ class Board:
         self._store.add("events", 1)
 
     def faults(self) -> list[dict[str, Any]]:
-        """Every fault record posted so far, oldest first."""
+        """Every fault record posted since this board started, oldest first."""
         if not self._store.check(["faults"]):
             return []
-        return _records(self._store.get("faults"))
+        return _records(self._store.get("faults"))[self._past_faults :]
 
     # -- stalls
     def raise_alarm(self) -> None:
@@ -109,18 +139,18 @@ class Board:
         self._store.add("events", 1)
 
     def alarmed(self) -> bool:
-        """Whether some rank raised the stall alarm."""
-        return int(self._store.add("alarm", 0)) > 0
+        """Whether some rank raised the stall alarm since this board started."""
+        return int(self._store.add("alarm", 0)) > self._past_alarms
 
     def post_report(self, record: dict[str, Any]) -> None:
         """Add this rank's stall report (phase, step, stacks)."""
         self._store.append("reports", json.dumps(record) + "\n")
 
     def reports(self) -> list[dict[str, Any]]:
-        """The stall reports posted so far."""
+        """The stall reports posted since this board started."""
         if not self._store.check(["reports"]):
             return []
-        return _records(self._store.get("reports"))
+        return _records(self._store.get("reports"))[self._past_reports :]
 
     # -- liveness
     def beat_of(self, rank: int) -> str | None:
@@ -133,3 +163,8 @@ class Board:
 
 def _records(raw: bytes) -> list[dict[str, Any]]:
     return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+
+
+def _count(store: Any, key: str) -> int:
+    """How many records the log ``key`` holds."""
+    return len(_records(store.get(key))) if store.check([key]) else 0

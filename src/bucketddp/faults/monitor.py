@@ -89,13 +89,15 @@ class Watchdog:
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, engine: Engine) -> None:
         self.board = Board(store, rank, world_size)
+        with contextlib.suppress(Exception):  # a store without these calls: read it all
+            self.board.start()
         self.rank = rank
         self.world_size = world_size
         self.stall_timeout: float | None = None
         # The wrappers watched; the watchdog ends when the last one is released or collected.
         self.engines: weakref.WeakSet[Any] = weakref.WeakSet([engine])
         self.children: dict[int, Any] = {}  # rank -> Popen, for a launcher's processes
-        self._seen_events = 0
+        self._seen_events = self.board.past_events
         self._peer_faults: list[dict[str, Any]] = []
         self._peer_seen_at: float | None = None
         self._failing = False  # this rank's own exception is on its way out
@@ -207,6 +209,11 @@ class Watchdog:
         self._taken = True
         self._failing = True
         raise pending[0](pending[1])
+
+    def ended(self) -> bool:
+        """Whether this rank's training under this watchdog failed (it posted or took an
+        error): a wrapper built afterwards gets a new watchdog, which ignores that failure."""
+        return self._posted or self._pending is not None
 
     def stop(self) -> None:
         """Stop watching, and wait for the thread to end (an exit, a teardown, ...)."""
@@ -461,6 +468,8 @@ def watch(engine: Engine, stall_timeout: float | None) -> Watchdog | None:
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return None
     with _LOCK:
+        if _WATCHDOG is not None and _WATCHDOG.ended():
+            _WATCHDOG.stop()  # its training failed: a new one serves the next
         if _WATCHDOG is None or _WATCHDOG._stop.is_set():
             _WATCHDOG = Watchdog(default_store(), dist.get_rank(), dist.get_world_size(), engine)
             _WATCHDOG.children.update(_ADOPTED)
