@@ -52,6 +52,13 @@ def base_store(store: dist.Store) -> dist.Store:
     return store
 
 
+def connection_keys(store: dist.Store) -> dist.Store:
+    """``store`` with the keys a ``store_connection`` to it sees, over its open connection:
+    a ``TCPStore`` under its prefixes, any other store as it is."""
+    base = base_store(store)
+    return base if isinstance(base, dist.TCPStore) else store
+
+
 def store_connection(store: dist.Store, timeout: timedelta) -> dist.Store:
     """A new client connection to the server behind ``store``, for another thread's calls.
 
@@ -61,7 +68,7 @@ def store_connection(store: dist.Store, timeout: timedelta) -> dist.Store:
     prefixed as ``store``'s are: the caller picks its own. Any other store is cloned where
     this torch can, else returned as it is (calls then share its connection).
     """
-    base = base_store(store)
+    base = connection_keys(store)
     if isinstance(base, dist.TCPStore):
         return dist.TCPStore(
             base.host,

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._compat import base_store, store_connection
+from .._compat import connection_keys, store_connection
 
 PREFIX = "bucketddp/faults"
 STORE_TIMEOUT = timedelta(seconds=10)  # for each call on the board
@@ -80,11 +80,7 @@ class Board:
         Called before the wrapper's first collective: no other rank can have failed in
         this run yet, and the earlier run's ranks posted before they reached it.
         """
-        base = base_store(self._source)
-        # The same keys as the board's own connection (see ``store_connection``).
-        view = dist.PrefixStore(
-            namespace(), base if isinstance(base, dist.TCPStore) else self._source
-        )
+        view = dist.PrefixStore(namespace(), connection_keys(self._source))
         self.past_events = int(view.add("events", 0))
         if self.past_events:
             self._past_faults = _count(view, "faults")
