@@ -244,6 +244,8 @@ def test_a_run_after_a_failed_one_is_not_ended_by_its_faults(tmp_path: Path) -> 
         assert out["steps"] >= 40, out
     assert "rank 1" in results[0]["second"], results[0]
     assert "the second run fails on rank 1" in results[0]["second"], results[0]
+    # Named at the second run's own step (its watchdog counts from 1, not on from the first).
+    assert "after step 40's forward" in results[0]["second"], results[0]
     assert results[0]["told_s"] < 10.0, results[0]
 
 

@@ -98,6 +98,7 @@ class Watchdog:
         self.engines: weakref.WeakSet[Any] = weakref.WeakSet([engine])
         self.children: dict[int, Any] = {}  # rank -> Popen, for a launcher's processes
         self._seen_events = self.board.past_events
+        prog.PROGRESS.new_run()  # a failure is named at this run's step, not the process's
         self._peer_faults: list[dict[str, Any]] = []
         self._peer_seen_at: float | None = None
         self._failing = False  # this rank's own exception is on its way out

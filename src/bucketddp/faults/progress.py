@@ -59,6 +59,10 @@ class Progress:
         self.detail = detail
         self.since = time.monotonic()
 
+    def new_run(self) -> None:
+        """A new watchdog starts watching: its run's steps count from 1 again."""
+        self.step = 0
+
     def forward(self) -> None:
         """A training (grad-enabled) forward begins: the next step."""
         self.step += 1
