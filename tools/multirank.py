@@ -89,11 +89,20 @@ def alive(pid: int) -> bool:
         return False
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on loopback that was free a moment ago, never one handed out before by
+    this process (jobs started side by side must not share a store's port)."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("free_port: the system gave only ports handed out already (64 tries)")
 
 
 def _to_bytes(obj: Any) -> bytes:
