@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import wait_kept
+from ..comm import AsyncSum, on_wire, wait_kept
 from ..comm_hooks import AVERAGING, CommHook
 
 
@@ -57,6 +57,33 @@ class Averaged:
         return self._buffer
 
 
+class _Average:
+    """Averages a buffer as torch's averaging hook with wire dtype ``dtype`` (None: the
+    buffer's own) does, over ``group`` (None: the default group, looked up at each call as
+    torch's hooks do). The collective is launched through the group's own ``allreduce``
+    with options built once (``comm.AsyncSum``), the call ``dist.all_reduce`` makes in the
+    end: its Python checks run inside the backward, where they cost most."""
+
+    __slots__ = ("_dtype", "_group", "_size", "_state", "_sum")
+
+    def __init__(self, state: dist.ProcessGroup | None, dtype: torch.dtype | None) -> None:
+        self._state = state
+        self._dtype = dtype
+        self._group: dist.ProcessGroup | None = None
+        self._sum: AsyncSum | None = None
+        self._size = 1
+
+    def __call__(self, buffer: torch.Tensor) -> Averaged:
+        group = self._state if self._state is not None else dist.group.WORLD
+        if group is not self._group or self._sum is None:
+            self._sum = AsyncSum(group)
+            self._group = group
+            self._size = self._sum.group.size()
+        wire = buffer if self._dtype is None else buffer.to(self._dtype)
+        wire.div_(self._size)
+        return Averaged(self._sum(on_wire(wire)), buffer, wire)
+
+
 def native_hook(hook: CommHook, state: Any) -> Callable[[torch.Tensor], Averaged] | None:
     """What averages a buffer as ``hook(state, bucket)`` would, when ``hook`` is one of
     torch's averaging hooks (``comm_hooks.AVERAGING``) with a process group (or None, for
@@ -72,13 +99,4 @@ def native_hook(hook: CommHook, state: Any) -> Callable[[torch.Tensor], Averaged
     ]
     if not found:
         return None
-    dtype = found[0]
-
-    def average(buffer: torch.Tensor) -> Averaged:
-        # The default group is looked up at each call, as torch's hooks do.
-        group = state if state is not None else dist.group.WORLD
-        wire = buffer if dtype is None else buffer.to(dtype)
-        wire.div_(dist.get_world_size(group))
-        return Averaged(dist.all_reduce(wire, group=group, async_op=True), buffer, wire)
-
-    return average
+    return _Average(state, found[0])
