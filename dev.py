@@ -2,7 +2,7 @@
 """Project entry points that need nothing but Python 3.10+ and pip.
 
     python3 dev.py demo    # learn digits on 2 CPU processes, bucketddp beside torch DDP
-    python3 dev.py test    # the test suite
+    python3 dev.py test    # the test suite but the whole programs (-m jobs; --all for both)
     python3 dev.py lint    # ruff, mypy, and the layer contracts (import-linter)
     python3 dev.py bench   # the engine benchmark (bucketddp vs torch DDP vs no communication)
     python3 dev.py bench-elastic   # elastic snapshots: step-time cost, shared memory, recovery

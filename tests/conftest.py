@@ -11,6 +11,12 @@ rank fresh (``run_ranks(..., fresh=True)``).
 
 It also reports the outcomes of the tests marked ``compat`` by area, for ``python3 dev.py
 compat``, when BUCKETDDP_COMPAT_REPORT names a file.
+
+The tests marked ``jobs`` (whole programs: torchrun jobs killed, signalled and restarted,
+``fabric run``, the benchmark script) are left out of a run of the whole suite with no
+``-m``: that is ``python3 dev.py test``, the quick tier. ``python3 dev.py test -m jobs``
+runs them alone, ``--all`` runs everything, and naming a file or folder, or choosing with
+``-k``, runs what is in it or matches. CI runs both tiers (.ci/run).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,13 +50,31 @@ def shm() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--all",
+        action="store_true",
+        help="also run the tests marked jobs, which a run of the whole suite leaves out",
+    )
+
+
+def _quick_tier(config: pytest.Config) -> bool:
+    """Whether this run leaves the ``jobs`` tests out: the whole suite, and no ``-m``,
+    ``-k`` or ``--all``."""
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    chosen = config.option.markexpr or config.option.keyword or config.getoption("--all")
+    return whole and not chosen
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     kept, dropped = [], []
+    quick = _quick_tier(config)
     for item in items:
         marker = item.get_closest_marker("compat")
         if marker is not None:
             _AREAS[item.nodeid] = marker.args[0]
-        if _ONLY_AREAS and (marker is None or marker.args[0] not in _ONLY_AREAS):
+        other_area = _ONLY_AREAS and (marker is None or marker.args[0] not in _ONLY_AREAS)
+        if other_area or (quick and item.get_closest_marker("jobs") is not None):
             dropped.append(item)
         else:
             kept.append(item)
@@ -74,3 +99,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             by_area.setdefault(area, []).append(_OUTCOMES[nodeid])
     with open(_COMPAT_REPORT, "w") as out:
         json.dump(by_area, out)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if _quick_tier(config):
+        terminalreporter.write_line(
+            "the tests marked jobs were left out: `python3 dev.py test -m jobs` runs them "
+            "(about 15 minutes), `--all` everything"
+        )

@@ -46,6 +46,7 @@ def run_bench(tmp_path: Path, *extra: str, short: list[str] = SHORT) -> dict[str
     return report["world_size_2"]["transformer"]
 
 
+@pytest.mark.jobs  # a run of the benchmark script
 def test_default_buckets_match_torch_ddp_and_peak_memory_is_the_median_of_fresh_pairs(
     tmp_path: Path,
 ) -> None:
@@ -71,6 +72,7 @@ def test_default_buckets_match_torch_ddp_and_peak_memory_is_the_median_of_fresh_
     assert lo <= result["median_round_ratio"] <= hi
 
 
+@pytest.mark.jobs  # a run of the benchmark script
 def test_a_bucket_cap_gives_both_engines_the_same_buckets_and_variants_their_options(
     tmp_path: Path,
 ) -> None:
@@ -96,6 +98,7 @@ def test_a_bucket_cap_gives_both_engines_the_same_buckets_and_variants_their_opt
     assert theirs[0] > 1.5  # not a 1 MB first bucket
 
 
+@pytest.mark.jobs  # a run of the benchmark script
 def test_first_bucket_comm_hook_null_and_malloc_options_reach_the_run(tmp_path: Path) -> None:
     # One bucket with the fp16 hook: one call for the bucket, with the flags riding in its
     # buffer (docs/comm-hooks.md), so one collective. torch DDP takes the same hook (it
@@ -115,6 +118,7 @@ def test_first_bucket_comm_hook_null_and_malloc_options_reach_the_run(tmp_path: 
     ]
 
 
+@pytest.mark.jobs  # a run of the benchmark script
 def test_hooks_time_each_hook_on_both_wrappers_in_the_same_rounds(tmp_path: Path) -> None:
     short = [a for a in SHORT if a != "--hooks"]
     result = run_bench(tmp_path, "--hooks", "fp16", "powersgd", short=short)
@@ -136,6 +140,7 @@ def test_hooks_time_each_hook_on_both_wrappers_in_the_same_rounds(tmp_path: Path
     assert "median of 2 step ratios" in pooled.stdout
 
 
+@pytest.mark.jobs  # a run of the benchmark script
 def test_a_model_with_short_steps_times_more_of_them_per_round(tmp_path: Path) -> None:
     # --min-round-ms: the probe's step (untimed, every system, the slowest rank's median)
     # sets the timed steps per round, at least --steps and at most 16 times as many; the
@@ -151,6 +156,7 @@ def test_a_model_with_short_steps_times_more_of_them_per_round(tmp_path: Path) -
     assert [len(rnd) for rnd in plain["systems"]["bucketddp"]["step_ms"]] == [2]
 
 
+@pytest.mark.jobs  # a run of the benchmark script
 def test_overheads_time_the_wire_and_tune_auto_before_the_timed_rounds(tmp_path: Path) -> None:
     # --overheads adds the variants that turn telemetry and the watchdog off, the finite
     # check and "auto" sizes; the rounds also time the wire, a standalone all-reduce. "auto"

@@ -36,6 +36,8 @@ from elastic_runs import (
 )
 from lightning_runs import SUPPORT, torchrun
 
+pytestmark = pytest.mark.jobs  # torchrun jobs, killed and restarted
+
 LOOP = SUPPORT / "elastic_loop.py"
 
 

@@ -18,8 +18,12 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from elastic_runs import steps_by_attempt, torchrun_failing
 from lightning_runs import SUPPORT
+
+pytestmark = pytest.mark.jobs  # torchrun jobs killed on their last attempt
 
 LOOP = SUPPORT / "elastic_loop.py"
 

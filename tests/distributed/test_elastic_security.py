@@ -25,6 +25,8 @@ from elastic_planted import PLANTED, forged_meta, old_format_meta
 from elastic_runs import done_twice, same_weights, standalone
 from lightning_runs import ROOT, SUPPORT, run_script, torchrun
 
+pytestmark = pytest.mark.jobs  # torchrun jobs resuming from planted snapshots
+
 LOOP = SUPPORT / "elastic_loop.py"
 NOBODY = 65534
 

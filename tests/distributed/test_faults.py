@@ -19,6 +19,8 @@ import pytest
 
 from fault_runs import Job, start, wait
 
+pytestmark = pytest.mark.jobs  # seven jobs, one rank of each failing
+
 pytest.importorskip("lightning")
 
 STALL = 4.0  # the stall timeout of the jobs that sleep

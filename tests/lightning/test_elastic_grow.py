@@ -29,6 +29,8 @@ from elastic_runs import agent, rows_by_epoch, start
 from lightning_runs import SUPPORT
 from multirank import free_port
 
+pytestmark = pytest.mark.jobs  # torchrun agents joining a running job
+
 pytest.importorskip("lightning")
 
 SCRIPT = SUPPORT / "elastic_lightning.py"

@@ -68,6 +68,8 @@ from elastic_runs import (
 from lightning_runs import SUPPORT, torchrun
 from multirank import free_port
 
+pytestmark = pytest.mark.jobs  # torchrun jobs, killed and restarted
+
 pytest.importorskip("lightning")
 
 SCRIPT = SUPPORT / "elastic_lightning.py"

@@ -17,6 +17,8 @@ import pytest
 
 from lightning_runs import SUPPORT, run_script
 
+pytestmark = pytest.mark.jobs  # torchrun jobs, one rank killed
+
 pytest.importorskip("lightning")
 
 JOBS = 4

@@ -151,6 +151,7 @@ def test_bad_options_fail_when_the_strategy_is_built() -> None:
 
 
 # Both runs side by side, each with a hang guard: one took 182 s beside two CPU hogs.
+@pytest.mark.jobs  # `fabric run`, the CLI launcher
 @pytest.mark.timeout(600)
 def test_fabric_run_takes_bucket_ddp_through_our_module(tmp_path: Path) -> None:
     # `fabric run` takes its --strategy choices from the registry before bucketddp can

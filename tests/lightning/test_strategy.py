@@ -339,6 +339,7 @@ def test_spawn_launcher(swap: list[dict[str, Any]], tmp_path: Path) -> None:
     assert_same(result["bucket"], swap[0]["boring/ddp"], tol=1e-6)
 
 
+@pytest.mark.jobs  # two torchrun agents
 def test_torchrun_two_nodes_on_loopback(tmp_path: Path) -> None:
     port = str(free_port())
     procs = [
