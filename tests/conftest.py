@@ -27,7 +27,6 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -101,7 +100,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         json.dump(by_area, out)
 
 
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
     if _quick_tier(config):
         terminalreporter.write_line(
             "the tests marked jobs were left out: `python3 dev.py test -m jobs` runs them "
