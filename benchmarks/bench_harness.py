@@ -288,8 +288,9 @@ def train_steps(
     for batch in batches:
         c0 = time.process_time()
         t0, t1, t2, t3 = timed_step(model, optimizer, batch, cuda)
+        cpu = time.process_time() - c0  # before reading bucketddp's figures, which cost CPU
         wait = model.comm_stats.wait_seconds if isinstance(model, BucketDataParallel) else 0.0
-        rows.append([t3 - t0, t1 - t0, t2 - t1, t3 - t2, wait, time.process_time() - c0])
+        rows.append([t3 - t0, t1 - t0, t2 - t1, t3 - t2, wait, cpu])
     return rows
 
 
