@@ -85,6 +85,32 @@ def store_connection(store: dist.Store, timeout: timedelta) -> dist.Store:
     return own
 
 
+SAFE_STORE_TORCH = "2.7"
+"""torch 2.5 and 2.6 build a ``TCPStore`` with the GIL released for the whole of its
+pybind11 constructor, the registration of the new Python object in pybind11's table of
+instances included (pytorch#143593, fixed in 2.7). A store built on one thread while
+another thread makes or frees a pybind11 object (the ``Work`` of a collective, a store)
+corrupts that table, and the process aborts later ("Tried to deallocate unregistered
+instance")."""
+
+
+def store_built_unsafely() -> bool:
+    """Whether building a ``TCPStore`` beside a thread that uses ``torch.distributed`` can
+    abort the process on this torch (:data:`SAFE_STORE_TORCH`)."""
+    return bool(torch.__version__ < SAFE_STORE_TORCH)
+
+
+NAMED_GLOO_TORCH = "2.13"
+"""The first release checked to name gloo's worker threads (``pt_gloo_runloop``). torch
+2.5.1, 2.6.0, 2.7.0 and 2.10.0 leave them with the name of the thread that started them,
+which is the main thread's."""
+
+
+def gloo_threads_named() -> bool:
+    """Whether this torch names gloo's worker threads (:data:`NAMED_GLOO_TORCH`)."""
+    return bool(torch.__version__ >= NAMED_GLOO_TORCH)
+
+
 def preserve_version_counters(
     tensors: tuple[torch.Tensor, ...],
 ) -> contextlib.AbstractContextManager[Any]:

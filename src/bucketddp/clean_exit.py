@@ -39,6 +39,8 @@ import sys
 import threading
 import time
 
+from ._compat import gloo_threads_named
+
 HANG_GUARD = 10.0  # seconds: the wait ends here whatever the threads do
 POLL = 0.001  # seconds between looks, the GIL released
 QUIET_POLLS = 3
@@ -81,12 +83,23 @@ def settle(timeout: float = HANG_GUARD) -> bool:
 
 
 def gloo_workers() -> list[int]:
-    """Thread ids of this process's gloo worker threads (empty without ``/proc``)."""
+    """Thread ids of this process's gloo worker threads (empty without ``/proc``).
+
+    A torch that leaves them unnamed (``_compat.gloo_threads_named``) gives them the main
+    thread's name: there every thread of that name that ``threading`` does not know counts
+    (gloo's, and any other C++ thread started from the main thread, such as OpenMP's).
+    """
     try:
-        tids = os.listdir(_TASKS)
+        tids = [int(t) for t in os.listdir(_TASKS)]
     except OSError:
         return []
-    return [int(t) for t in tids if _read(f"{_TASKS}/{t}/comm").startswith(WORKER_PREFIX)]
+    names = {t: _read(f"{_TASKS}/{t}/comm") for t in tids}
+    named = [t for t in tids if names[t].startswith(WORKER_PREFIX)]
+    if named or gloo_threads_named():
+        return named
+    main = os.getpid()
+    known = {t.native_id for t in threading.enumerate()}
+    return [t for t in tids if t != main and t not in known and names[t] == names.get(main)]
 
 
 def _busy() -> bool:

@@ -3,7 +3,8 @@
 The ranks other than 0 reach rank 0's TCPStore through it. It forwards every connection
 at once until the file ``hold_after`` exists (the ranks create it once their process group
 has formed, however many connections that took), and holds every later one: accepted, but
-not forwarded until the file ``release`` exists (``None``: until the proxy closes). Each
+not forwarded until the file ``release`` exists (``None``: until the proxy closes), or
+closed at once with ``drop=True``, as by a store no longer reachable. Each
 held connection also leaves a file ``held-N`` beside ``hold_after``, so that the ranks can
 wait until theirs is held.
 That is what a store's host does while it resolves a new client's name on a slow name
@@ -31,8 +32,11 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
 class HoldingProxy:
     """Listens on ``port`` (free, loopback) and forwards to ``target_port`` (see module)."""
 
-    def __init__(self, target_port: int, hold_after: Path, release: Path | None) -> None:
+    def __init__(
+        self, target_port: int, hold_after: Path, release: Path | None, drop: bool = False
+    ) -> None:
         self._target = target_port
+        self._drop = drop
         self._hold_after = hold_after
         self._release = release
         self._closed = threading.Event()
@@ -62,6 +66,9 @@ class HoldingProxy:
             threading.Thread(target=self._serve, args=(conn, hold), daemon=True).start()
 
     def _serve(self, conn: socket.socket, hold: bool) -> None:
+        if hold and self._drop:
+            conn.close()  # a store that cannot be reached any more
+            return
         if hold:
             release = self._release
             while not self._closed.wait(0.05):

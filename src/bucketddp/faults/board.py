@@ -8,7 +8,9 @@ namespace per torchrun attempt (torchrun's store outlives the workers it restart
 
 The connection is opened by ``connect()``, on the watchdog's thread: opening one can take
 seconds (the store's host resolves each new client's address, and a slow name server
-holds every new connection up), and building a wrapper must not wait for it.
+holds every new connection up), and building a wrapper must not wait for it, except on
+torch 2.5 and 2.6, where building a store beside a busy thread is not safe
+(``_compat.store_built_unsafely``, ``monitor.py``).
 
 Keys (one writer each, except the counters):
     events          counter, bumped after each fault record or stall alarm: the one key

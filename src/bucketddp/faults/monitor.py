@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from .._compat import SAFE_STORE_TORCH, store_built_unsafely
 from ..notice import Preempted
 from ..reducer.inflight import describe
 from ..reducer.state import ReducerState
@@ -53,6 +54,13 @@ SILENT_AFTER = 3.0  # a heartbeat unchanged this long means the rank is gone
 # client up for a while (its host resolving a new client's name) is not taken for silence
 SILENT_BEATS = int(SILENT_AFTER / INTERVAL)
 REPORT_WAIT = 3.0  # how long a stalled job waits for every rank's report
+CONNECT_SLACK = 5.0  # beyond the store's connect timeout, for its own name lookups
+ONE_TRY = (
+    "bucketddp: the watchdog cannot reach the store ({error}); failures are not named in "
+    "this run. On torch older than {safe} it tries once, as the wrapper is built: a store "
+    "connection opened while training runs can abort the process there (pytorch#143593). "
+    "Upgrade torch to {safe} or newer to have it try until it connects."
+)
 INTERRUPT = getattr(signal, "SIGUSR2", None)
 _ERRORS = (RankFailedError, RankStalledError)
 
@@ -124,8 +132,13 @@ class Watchdog:
         sys.excepthook = self._excepthook
         atexit.register(self.stop)
         # Everything that touches the store, opening the connection first, runs on this thread.
+        self._tried = threading.Event()  # its first try to connect is over
         self._thread = threading.Thread(target=self._run, name="bucketddp-watchdog", daemon=True)
         self._thread.start()
+        if store_built_unsafely():
+            # This torch builds the connection's TCPStore with the GIL released throughout
+            # (_compat): until it is built, this thread makes no torch.distributed object.
+            self._tried.wait(CONNECT_TIMEOUT.total_seconds() + CONNECT_SLACK)
 
     # ------------------------------------------------------------- the main thread
     def report_exception(self, exc: BaseException) -> None:
@@ -237,13 +250,22 @@ class Watchdog:
 
     # ----------------------------------------------------------- the watchdog thread
     def _connect(self) -> bool:
-        """Open the board's connection, trying again until it opens or watching ends."""
+        """Open the board's connection, trying again until it opens or watching ends.
+
+        Where building a store beside the training can abort it (``_compat``), one try
+        only, made while the thread that built the wrapper waits: no later try can be made
+        safely, so a watchdog that could not connect then names no failure in this run.
+        """
         warned = False
         while not self._stop.is_set() and dist.is_initialized():
             try:
                 self.board.connect()
                 return True
             except Exception as e:
+                if store_built_unsafely():
+                    message = ONE_TRY.format(error=e, safe=SAFE_STORE_TORCH)
+                    print(message, file=sys.stderr, flush=True)
+                    return False
                 if not warned:
                     warned = True
                     print(
@@ -256,7 +278,11 @@ class Watchdog:
         return False
 
     def _run(self) -> None:
-        if not self._connect():
+        try:
+            connected = self._connect()
+        finally:
+            self._tried.set()
+        if not connected:
             return
         n = 0
         while True:
