@@ -98,7 +98,8 @@ def gloo_workers() -> list[int]:
     if named or gloo_threads_named():
         return named
     main = os.getpid()
-    known = {t.native_id for t in threading.enumerate()}
+    # A worker that ran a Python callback may have a _DummyThread: it still counts.
+    known = {t.native_id for t in threading.enumerate() if type(t).__name__ != "_DummyThread"}
     return [t for t in tids if t != main and t not in known and names[t] == names.get(main)]
 
 
