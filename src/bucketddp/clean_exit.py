@@ -98,9 +98,14 @@ def gloo_workers() -> list[int]:
     if named or gloo_threads_named():
         return named
     main = os.getpid()
-    # A worker that ran a Python callback may have a _DummyThread: it still counts.
-    known = {t.native_id for t in threading.enumerate() if type(t).__name__ != "_DummyThread"}
+    known = {t.native_id for t in _python_threads()}
     return [t for t in tids if t != main and t not in known and names[t] == names.get(main)]
+
+
+def _python_threads() -> list[threading.Thread]:
+    """The threads Python started. A C++ thread that ran a Python callback may have a
+    ``_DummyThread``; it is not one of them."""
+    return [t for t in threading.enumerate() if type(t).__name__ != "_DummyThread"]
 
 
 def _busy() -> bool:
@@ -111,7 +116,7 @@ def _busy() -> bool:
         if stat[stat.rfind(")") + 2 : stat.rfind(")") + 3] == "R":
             return True
     # A C++ thread running a Python callback has a frame but no threading.Thread.
-    known = {t.ident for t in threading.enumerate() if type(t).__name__ != "_DummyThread"}
+    known = {t.ident for t in _python_threads()}
     return any(ident not in known for ident in sys._current_frames())
 
 
