@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+# The script draws with matplotlib, one of the dev tools (pyproject.toml's dev extra).
+pytest.importorskip("matplotlib", reason="the dev extra's matplotlib is not installed")
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_ratio_plot.py"
 CONFIG = {"steps": 8, "warmup": 2, "batch_size": None, "rounds": 2}
 
