@@ -78,7 +78,7 @@ class Combo:
 
     @property
     def name(self) -> str:
-        torch = f"{_pin('torch')} (pinned)" if self.torch == PINNED else self.torch
+        torch = f"{pinned('torch')} (pinned)" if self.torch == PINNED else self.torch
         return f"py{self.python} torch {torch} Lightning {LIGHTNING[self.lightning]}"
 
     @property
@@ -103,7 +103,7 @@ PINNED_COMBOS = [
 ]
 
 
-def _pin(name: str) -> str:
+def pinned(name: str) -> str:
     """The version constraints.txt pins ``name`` to."""
     for line in CONSTRAINTS.read_text().splitlines():
         if line.startswith(f"{name}=="):
@@ -266,7 +266,7 @@ def table(rows: dict[Combo, dict[str, str]]) -> str:
         "|---|---|---|" + "---|" * len(areas),
     ]
     for combo, results in rows.items():
-        torch = f"{_pin('torch')} (pinned)" if combo.torch == PINNED else combo.torch
+        torch = f"{pinned('torch')} (pinned)" if combo.torch == PINNED else combo.torch
         cells = [combo.python, torch, LIGHTNING[combo.lightning]]
         lines.append("| " + " | ".join(cells + [results[a] for a in areas]) + " |")
     return "\n".join(lines)

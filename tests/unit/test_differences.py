@@ -13,13 +13,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from bucketddp import BucketDataParallel
+from compat import pinned  # tools/compat.py: what constraints.txt pins
 
 ROOT = Path(__file__).resolve().parents[2]
 
 PAGE = ROOT / "docs" / "differences.md"
-_PIN = re.search(r"^torch==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M)
-assert _PIN is not None, "constraints.txt pins no torch"
-ON_PINNED = torch.__version__.split("+")[0] == _PIN[1]
+ON_PINNED = torch.__version__.split("+")[0] == pinned("torch")
 """Whether the torch installed is the pinned one, which the page's main tables are for."""
 
 
