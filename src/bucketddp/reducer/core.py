@@ -295,13 +295,21 @@ class Reducer(ReducerPlan):
 
     def stage(self, i: int, param: torch.Tensor) -> None:
         """Put parameter ``i``'s gradient in its bucket slot, then launch what is due."""
+        bucket = self.bucket_of[i]
+        if i in bucket.placed:
+            view = self.views[i]
+            if param.grad is view and view.data_ptr() == self.ptrs[i]:
+                # Accumulated in its placed slot (prefill.py): only counted, no checks.
+                bucket.written = True
+                self.mark_bucket_ready(bucket)
+                return
         if self.n_ready == 1 and self.gradient_as_bucket_view and not self.find_unused_parameters:
             prefill(self, i)  # the step's first gradient: the others may go in place
         grad = param.grad
         view = self.fill_slot(i, grad)
         if self.gradient_as_bucket_view and grad is not view:
             param.grad = view
-        self.mark_bucket_ready(self.bucket_of[i])
+        self.mark_bucket_ready(bucket)
 
     def mark_bucket_ready(self, bucket: Bucket) -> None:
         """One gradient of ``bucket`` fewer to wait for; launch what is due once it is full."""
