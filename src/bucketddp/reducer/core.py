@@ -378,7 +378,7 @@ class Reducer(ReducerPlan):
     def finalize_backward(self) -> None:
         """Runs once at the end of each backward pass that touched a parameter."""
         if self.deferred is not None:
-            self._count_deferred(self.deferred)
+            self.deferred.count(self)
         node = torch._C._current_autograd_node()
         if node is not None and not self._from_output and self.n_ready < len(self.ready):
             # The end of a backward nested in another (a reentrant checkpoint segment's)
@@ -399,46 +399,12 @@ class Reducer(ReducerPlan):
             self.reset_step(synced=True)
         self.end_synced_step(error, joined)
 
-    def _count_deferred(self, deferred: Deferred) -> None:
-        """Count the deferred members that got a gradient in this backward as ready."""
-        for i in deferred.arrivals(self.ready, self.params, self.views):
-            self.ready[i] = True
-            self.used[i] = True
-            self.n_ready += 1
-
-    def _stage_deferred(self, deferred: Deferred) -> None:
-        """Stage the deferred members that got a gradient, at the end of the backward.
-
-        Averaged as ``fill_slot`` does, in a batch: copied, then multiplied by the bucket's
-        scale (the same values as ``torch.mul`` into the slot).
-        """
-        bucket, params = deferred.bucket, self.params
-        fast, grads, slots, slow = deferred.take(self.views, self.ptrs)
-        if fast and not bucket.written and kept_elsewhere(self.storage, bucket):
-            slow, fast = sorted(slow + fast), []  # the bucket must move first (fill_slot)
-        for i in slow:
-            grad = params[i].grad
-            view = self.fill_slot(i, grad)
-            if grad is not view:
-                params[i].grad = view
-        if fast:
-            bucket.written = True
-            torch._foreach_copy_(slots, grads)
-            if not self.launcher.averages:
-                torch._foreach_mul_(slots, bucket.scale)
-            del grads
-            for i, view in zip(fast, slots, strict=True):
-                params[i].grad = view
-        bucket.pending -= len(fast) + len(slow)
-        if bucket.pending == 0:
-            bucket.ready_at = time.perf_counter()
-
     def _reduce(self) -> tuple[str | None, list[int]]:
         """Launch what is left, wait for everything, agree; returns (error, joining params)."""
         if self.static is not None:
             self.static.before_reduce()
         if self.deferred is not None:
-            self._stage_deferred(self.deferred)
+            self.deferred.stage(self)
         missing_here: list[int] = []
         if self.n_ready < len(self.ready):
             missing_here = [i for i, ready in enumerate(self.ready) if not ready]

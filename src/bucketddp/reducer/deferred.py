@@ -36,12 +36,13 @@ Only with ``gradient_as_bucket_view`` (the default) and without ``find_unused_pa
 from __future__ import annotations
 
 import sys
+import time
 import weakref
 from collections.abc import Sequence
 
 import torch
 
-from .kept_grads import SOLE_REFS
+from .kept_grads import SOLE_REFS, kept_elsewhere
 from .state import ReducerState
 from .storage import Bucket
 
@@ -108,6 +109,40 @@ class DeferredBucket:
     def hooked(self) -> bool:
         """Whether someone hooked a member since (checked before each forward)."""
         return any(self.hooks)
+
+    def count(self, r: ReducerState) -> None:
+        """Count the members that got a gradient in this backward as ready in ``r``."""
+        for i in self.arrivals(r.ready, r.params, r.views):
+            r.ready[i] = True
+            r.used[i] = True
+            r.n_ready += 1
+
+    def stage(self, r: ReducerState) -> None:
+        """Stage the members counted ready in their slots, at the end of the backward.
+
+        Averaged as ``fill_slot`` does, in a batch: copied, then multiplied by the bucket's
+        scale (the same values as ``torch.mul`` into the slot).
+        """
+        bucket, params = self.bucket, r.params
+        fast, grads, slots, slow = self.take(r.views, r.ptrs)
+        if fast and not bucket.written and kept_elsewhere(r.storage, bucket):
+            slow, fast = sorted(slow + fast), []  # the bucket must move first (fill_slot)
+        for i in slow:
+            grad = params[i].grad
+            view = r.fill_slot(i, grad)
+            if grad is not view:
+                params[i].grad = view
+        if fast:
+            bucket.written = True
+            torch._foreach_copy_(slots, grads)
+            if not r.launcher.averages:
+                torch._foreach_mul_(slots, bucket.scale)
+            del grads
+            for i, view in zip(fast, slots, strict=True):
+                params[i].grad = view
+        bucket.pending -= len(fast) + len(slow)
+        if bucket.pending == 0:
+            bucket.ready_at = time.perf_counter()
 
     def arrivals(
         self, ready: Sequence[bool], params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]

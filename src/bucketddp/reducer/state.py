@@ -144,16 +144,12 @@ class Deferred(Protocol):
         """Whether someone hooked a member since."""
         ...
 
-    def arrivals(
-        self, ready: Sequence[bool], params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]
-    ) -> list[int]:
-        """The members not yet counted ready that got a gradient."""
+    def count(self, r: ReducerState) -> None:
+        """Count the members that got a gradient in this backward as ready in ``r``."""
         ...
 
-    def take(
-        self, views: Sequence[torch.Tensor], ptrs: Sequence[int]
-    ) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], list[int]]:
-        """Those counted ready: (batch indices, gradients, slots), and the others."""
+    def stage(self, r: ReducerState) -> None:
+        """Stage the members counted ready in their slots, at the end of the backward."""
         ...
 
     def remember(
@@ -290,6 +286,11 @@ class ReducerState(ABC):
     @abstractmethod
     def mark_bucket_ready(self, bucket: Bucket) -> None:
         """One gradient of ``bucket`` fewer to wait for."""
+        ...
+
+    @abstractmethod
+    def fill_slot(self, i: int, grad: torch.Tensor | None) -> torch.Tensor:
+        """Stage gradient ``i`` in its slot, averaged; returns the slot."""
         ...
 
     @abstractmethod
