@@ -378,7 +378,7 @@ class Reducer(ReducerPlan):
     def finalize_backward(self) -> None:
         """Runs once at the end of each backward pass that touched a parameter."""
         if self.deferred is not None:
-            self.deferred.count(self)
+            self._count_deferred(self.deferred)
         node = torch._C._current_autograd_node()
         if node is not None and not self._from_output and self.n_ready < len(self.ready):
             # The end of a backward nested in another (a reentrant checkpoint segment's)
@@ -398,6 +398,13 @@ class Reducer(ReducerPlan):
         finally:
             self.reset_step(synced=True)
         self.end_synced_step(error, joined)
+
+    def _count_deferred(self, deferred: Deferred) -> None:
+        """Count the deferred members that got a gradient in this backward as ready."""
+        for i in deferred.arrivals(self.ready, self.params, self.views):
+            self.ready[i] = True
+            self.used[i] = True
+            self.n_ready += 1
 
     def _reduce(self) -> tuple[str | None, list[int]]:
         """Launch what is left, wait for everything, agree; returns (error, joining params)."""

@@ -110,13 +110,6 @@ class DeferredBucket:
         """Whether someone hooked a member since (checked before each forward)."""
         return any(self.hooks)
 
-    def count(self, r: ReducerState) -> None:
-        """Count the members that got a gradient in this backward as ready in ``r``."""
-        for i in self.arrivals(r.ready, r.params, r.views):
-            r.ready[i] = True
-            r.used[i] = True
-            r.n_ready += 1
-
     def stage(self, r: ReducerState) -> None:
         """Stage the members counted ready in their slots, at the end of the backward.
 

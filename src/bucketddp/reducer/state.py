@@ -144,8 +144,10 @@ class Deferred(Protocol):
         """Whether someone hooked a member since."""
         ...
 
-    def count(self, r: ReducerState) -> None:
-        """Count the members that got a gradient in this backward as ready in ``r``."""
+    def arrivals(
+        self, ready: Sequence[bool], params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]
+    ) -> list[int]:
+        """The members not yet counted ready that got a gradient."""
         ...
 
     def stage(self, r: ReducerState) -> None:
