@@ -4,14 +4,14 @@
 a thread launches ``N`` all-reduces one after the other, each with a ``then`` callback, so
 that gloo's worker threads keep entering Python; meanwhile the main thread forks children
 that exit at once (as a ``DataLoader`` forks its workers), and counts those still alive
-after 2 s, killing them. No bucketddp code runs.
+after 2 s, killing them. The ranks are new interpreters that never import bucketddp.
 
 A thread that enters Python without a thread state of its own (a gloo worker running a
 future's callback, or freeing a Python object a collective held) makes one under the
 interpreter's runtime lock, without the GIL. On Python 3.10 before 3.10.15 and 3.11
 before 3.11.10 a child forked at that moment waits on that lock forever in
 ``PyOS_AfterFork_Child``, before any of its own code runs. Here (Python 3.11.7, torch 2.13)
-about one fork in 700 to 1,400 hangs so; newer Pythons reset the lock first.
+about one fork in 1,500 hangs so; newer Pythons reset the lock first.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def affected(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
 
 def _rank(rank: int, world_size: int, collectives: int) -> tuple[int, int]:
     """Fork while gloo's threads run callbacks; returns (children stuck, forks)."""
+    assert "bucketddp" not in sys.modules, "the repro must run without bucketddp"
     tensor = torch.ones(4)
 
     def churn() -> None:
@@ -70,7 +71,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--collectives", type=int, default=6000, help="all-reduces per rank")
     args = parser.parse_args()
-    results = run_ranks(_rank, 2, args.collectives, timeout=600)
+    # fresh: new interpreters, which import torch and this module only (not bucketddp).
+    results = run_ranks(_rank, 2, args.collectives, timeout=600, fresh=True)
     python = ".".join(map(str, sys.version_info[:3]))
     bug = "yes" if affected() else "fixed"
     print(f"Python {python} (gh-112275: {bug}), torch {torch.__version__}")
