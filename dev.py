@@ -20,7 +20,7 @@
     python3 dev.py fuzz    # the engine fuzzer, outside the suite: --schedules 200, --replay SEED
     python3 dev.py fuzz-lightning   # the strategy fuzzer against "ddp": --schedules 100
     python3 dev.py scaleup-repro   # torchrun's scale-up without bucketddp: --no-share
-    python3 dev.py fork-repro   # a forked child that hangs on Python < 3.11.10, torch alone
+    python3 dev.py fork-repro   # a forked child that hangs on Python < 3.11.10: --guard
     python3 dev.py compat  # the compat subset on each supported torch x Lightning x Python:
                            # --only 'torch 2.6' (see tools/compat.py), --list
     python3 dev.py wheel   # build the sdist and wheel, twine check, run two examples from the wheel

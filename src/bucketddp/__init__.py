@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _compat  # noqa: F401  (first: it refuses an older torch)
 from . import clean_exit as _clean_exit
+from . import fork_guard as _fork_guard
 from .buckets import Bucket, BucketPlan
 from .checkpoint import broadcast_checkpoint, load_checkpoint
 from .faults import RankFailedError, RankStalledError
@@ -72,3 +73,4 @@ def __getattr__(name: str) -> Any:
 
 _registry.install()
 _clean_exit.install()
+_fork_guard.install()
