@@ -13,10 +13,11 @@ It also reports the outcomes of the tests marked ``compat`` by area, for ``pytho
 compat``, when BUCKETDDP_COMPAT_REPORT names a file.
 
 The tests marked ``jobs`` (whole programs: torchrun jobs killed, signalled and restarted,
-``fabric run``, the benchmark script) are left out of a run of the whole suite with no
-``-m``: that is ``python3 dev.py test``, the quick tier. ``python3 dev.py test -m jobs``
-runs them alone, ``--all`` runs everything, and naming a file or folder, or choosing with
-``-k``, runs what is in it or matches. CI runs both tiers (.ci/run).
+``fabric run``, the benchmark script, the fork guard's thousands of forks) are left out of
+a run of the whole suite with no ``-m``: that is ``python3 dev.py test``, the quick tier.
+``python3 dev.py test -m jobs`` runs them alone, ``--all`` runs everything, and naming a
+file or folder, or choosing with ``-k``, runs what is in it or matches. CI runs both tiers
+(.ci/run).
 """
 
 from __future__ import annotations
