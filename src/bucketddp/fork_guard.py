@@ -9,22 +9,29 @@ and waits for it forever in ``PyOS_AfterFork_Child``, before any of its own code
 ``DataLoader`` worker that never starts, and its rank waiting on it.
 
 On those Pythons, ``import bucketddp`` registers a function that runs just before each
-``os.fork`` (``os.register_at_fork``) and takes that lock once, through
-``sys._current_frames()``: a fork that would start while a gloo thread holds it waits for
-the thread instead. It narrows the race rather than closing it (a thread may take the lock
-between that call and the fork); measured, ``python3 dev.py fork-repro``
-(2 gloo ranks forking beside a stream of collectives, three runs each way, interleaved)
-hung 16 of 18,000 children without it and none of 18,000 with it, Python 3.11.7. It costs
-one look at the threads per fork. Newer Pythons reset the lock in the child, and get no
-guard. docs/reliability.md, "A fork that never starts", says more.
+``os.fork`` (``os.register_at_fork``) and takes that lock once: a fork that would start
+while a gloo thread holds it waits for the thread instead. It narrows the race rather than
+closing it (a thread may take the lock between that call and the fork). Measured with
+``python3 dev.py fork-repro`` (2 gloo ranks forking beside a stream of collectives, three
+runs each way, interleaved, Python 3.11.7): 15 of 18,000 children hung without it, none of
+18,000 with it. It costs about half a microsecond per fork. Newer Pythons reset the lock in
+the child, and get no guard. docs/reliability.md, "A fork that never starts", says more.
+
+The lock is taken through ``PyThreadState_SetAsyncExc`` for a thread id no thread has,
+which holds it only to walk the list of thread states: nothing is allocated and no Python
+code runs under it. (``sys._current_frames()`` also takes it, but allocates under it; a
+garbage collection started there could run a finalizer that hands the GIL to a thread
+that then waits for the lock.)
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
 _installed = False
+_NO_THREAD = 0  # no thread state has id 0: a pthread_t is never 0
 
 
 def affected(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
@@ -33,16 +40,26 @@ def affected(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
     return fixed_in is not None and tuple(version) < fixed_in
 
 
+def _walk_thread_states() -> int:
+    """Take and free the runtime lock, with the GIL held (``pythonapi`` keeps it)."""
+    return int(ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(_NO_THREAD), None))
+
+
 def _before_fork() -> None:
-    # Takes the runtime lock that a thread making its thread state holds, and frees it.
-    sys._current_frames()
+    # Waits for a thread that is making its thread state under the lock.
+    _walk_thread_states()
 
 
 def install() -> bool:
     """Register the guard once, on an affected CPython (``import bucketddp`` does);
     returns whether it is registered."""
     global _installed
-    if not _installed and affected() and sys.implementation.name == "cpython":
-        os.register_at_fork(before=_before_fork)
-        _installed = True
-    return _installed
+    if _installed or not affected() or sys.implementation.name != "cpython":
+        return _installed
+    try:
+        _walk_thread_states()  # a build that does not export the C API gets no guard
+    except (AttributeError, OSError):
+        return False
+    os.register_at_fork(before=_before_fork)
+    _installed = True
+    return True

@@ -1,8 +1,8 @@
 """bucketddp's fork guard against CPython's gh-112275 (``bucketddp.fork_guard``), on real
 gloo ranks that fork beside a stream of collectives (``tools/fork_repro.py``).
 
-The ground truth: the same ranks without the guard, where a few forked children in a
-thousand never start (they wait forever in ``PyOS_AfterFork_Child``). With the guard, none
+The ground truth: the same ranks without the guard, where about one forked child in a
+thousand never starts (it waits forever in ``PyOS_AfterFork_Child``). With the guard, none
 may. Only on a Python that has the bug; whole programs of about 30 s each, so in the jobs
 tier.
 """

@@ -30,11 +30,11 @@ def test_affected_pythons(version: tuple[int, int, int], has_bug: bool) -> None:
 
 # In a new interpreter: whether the guard runs before a fork, and how often.
 _PROBE = """
-import os, types
+import os
 import bucketddp
 from bucketddp import fork_guard
 calls = []
-fork_guard.sys = types.SimpleNamespace(_current_frames=lambda: calls.append(1))
+fork_guard._walk_thread_states = lambda: calls.append(1)
 pid = os.fork()
 if pid == 0:
     os._exit(0)
@@ -50,3 +50,8 @@ def test_import_bucketddp_guards_each_fork_on_affected_pythons_only() -> None:
     affected, installed, calls = done.stdout.split()
     assert installed == affected
     assert calls == ("1" if affected == "True" else "0")
+
+
+def test_the_lock_walk_finds_no_thread() -> None:
+    # Thread id 0 matches no thread state: the call only takes and frees the lock.
+    assert fork_guard._walk_thread_states() == 0
