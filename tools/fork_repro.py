@@ -1,14 +1,14 @@
 """A forked child that never starts: CPython's gh-112275, with torch and gloo alone.
 
-``python tools/fork_repro.py [--forks N] [--start fork|forkserver|spawn]`` runs 2 gloo ranks
-(``multirank``). On each, a thread launches all-reduces one after the other, each with a
-``then`` callback, so that gloo's worker threads keep entering Python; meanwhile the main
-thread starts ``N`` children that exit at once (as a ``DataLoader`` starts its workers),
-and counts those still alive after a while (2 s for a fork, 60 s for a new interpreter),
-killing them. ``--start`` is how children start: ``fork`` (``os.fork``, a ``DataLoader``'s
-default on Linux), or the ``multiprocessing`` start method of that name, which a loader
-uses with ``multiprocessing_context=``. The ranks are new interpreters that never import
-bucketddp, unless ``--guard`` has them install ``bucketddp.fork_guard`` (which
+``python tools/fork_repro.py [--forks N] [--start fork|forkserver|spawn] [--guard]`` runs 2
+gloo ranks (``multirank``). On each, a thread launches all-reduces one after the other, each
+with a ``then`` callback, so that gloo's worker threads keep entering Python; meanwhile the
+main thread starts ``N`` children that exit at once (as a ``DataLoader`` starts its
+workers), and counts those still alive after a while (2 s for a fork, 60 s for a new
+interpreter), killing them. ``--start`` is how children start: ``fork`` (``os.fork``, a
+``DataLoader``'s default on Linux), or the ``multiprocessing`` start method of that name,
+which a loader uses with ``multiprocessing_context=``. The ranks are new interpreters that
+never import bucketddp, unless ``--guard`` has them install ``bucketddp.fork_guard`` (which
 ``import bucketddp`` installs), the guard this repro measures.
 
 A thread that enters Python without a thread state of its own (a gloo worker running a
