@@ -15,6 +15,10 @@
 - Validating every 4 steps, rank 1 SIGKILLed in the validation run after step 12: step 12
   is done again, with its validation, and the weights are bit-equal; SIGTERM to rank 1 in
   step 12: every rank stops after that validation run, and nothing is done twice.
+- A random augmentation drawn in the dataset's ``__getitem__`` (a plain DataLoader and a
+  StatefulDataLoader, in the main process; and the Fabric loop), rank 1 SIGKILLed
+  mid-epoch: bit-equal to the same run uninterrupted (under the Trainer the generators go
+  back before the resumed epoch's first fetch).
 - With PowerSGD, rank 1 SIGKILLed after 13 steps of the Trainer fit and the Fabric loop:
   bit-equal to the same run uninterrupted (the hook's state is in the snapshots).
 - With PowerSGD, a Trainer checkpoint saved after step 16 and resumed by a new fit with
@@ -128,6 +132,31 @@ def test_a_comm_hooks_state_survives_a_kill(tmp_path: Path, shm: Path) -> None:
             assert len(done_twice(out, rank)) <= 1, (family, rank, done_twice(out, rank))
         reference = tmp_path / family / "straight" / "final.pt"
         assert same_weights(out / "final.pt", reference), family
+
+
+@pytest.mark.timeout(600)  # a hang guard: five torchrun jobs of Lightning
+def test_an_augmentation_drawn_by_the_loader_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
+    """Noise drawn from the global generators in ``__getitem__``, rank 1 SIGKILLed once 11
+    steps are done (mid-epoch): the resumed epoch fetches its first batch from the
+    snapshot's generators, as the uninterrupted fit did, and the weights are bit-equal."""
+    runs = {
+        "augment/straight": ("trainer", "-1"),
+        "augment/trainer": ("trainer", "11"),
+        "augment/stateful": ("stateful", "11"),
+        "augment/fabric_straight": ("fabric", "-1"),
+        "augment/fabric": ("fabric", "11"),
+    }
+    _run_and_compare(tmp_path, shm, runs, env={"ELASTIC_AUGMENT": "1"})
+    out = tmp_path / "augment"
+    for name, straight in (
+        ("trainer", "straight"),
+        ("stateful", "straight"),
+        ("fabric", "fabric_straight"),
+    ):
+        assert "attempt 1" in (out / name / "steps.rank1").read_text(), f"{name} did not restart"
+        for rank in (0, 1):
+            assert len(done_twice(out / name, rank)) <= 1, (name, rank)
+        assert same_weights(out / name / "final.pt", out / straight / "final.pt"), name
 
 
 @pytest.mark.timeout(600)  # a hang guard: two torchrun jobs of Lightning

@@ -10,12 +10,15 @@ steps are done; torchrun restarts both workers and the loop resumes from the new
 and in attempt 0 rank 1 kills itself (SIGKILL) once rank 0 has saved the weights
 (``after_fit``). Under
 ``ELASTIC_PLANT=1`` the job runs with umask 0, and rank 0 plants files in its snapshot
-folder and records its modes (``elastic_planted.py``).
+folder and records its modes (``elastic_planted.py``). Under ``ELASTIC_AUGMENT=1`` the
+rows get noise drawn in ``__getitem__`` from torch's and Python's global generators
+(``Augmented``), as a random augmentation in a main-process loader does.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import sys
 import time
@@ -32,12 +35,25 @@ EPOCHS, BATCH = 3, 4
 # How rank 1 is stopped in attempt 0: SIGKILL, or under ELASTIC_KILL=STOP, SIGSTOP (a rank
 # that hangs without closing its connections, as a host that lost power does).
 KILL = signal.SIGSTOP if os.environ.get("ELASTIC_KILL") == "STOP" else signal.SIGKILL
+AUGMENT = os.environ.get("ELASTIC_AUGMENT") == "1"
+if AUGMENT:
+    random.seed(0)  # once per process, as a script's seed_everything would
+
+
+class Augmented(TensorDataset):
+    """Rows with noise drawn in ``__getitem__`` from the global generators (torch's and
+    Python's), as a random augmentation in the main process draws."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        x, y = super().__getitem__(index)
+        return x + 0.1 * torch.randn(x.shape) * random.random(), y
 
 
 def dataset() -> TensorDataset:
-    """64 rows: 8 steps an epoch on 2 ranks."""
+    """64 rows: 8 steps an epoch on 2 ranks; augmented under ``ELASTIC_AUGMENT=1``."""
     g = torch.Generator().manual_seed(1)
-    return TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g))
+    rows = torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g)
+    return Augmented(*rows) if AUGMENT else TensorDataset(*rows)
 
 
 def attempt_of_job() -> int:

@@ -16,7 +16,10 @@ to the Trainer, through the strategy's hooks and one callback:
   with each rank's RNG states and own buffers (``own_buffers``);
 - the communication hook's state (PowerSGD's) goes with them: what every rank shares in
   the checkpoint, the rest with the rank's own part (``bucketddp.hook_state``);
-- the first training step after a resume puts those back;
+- a resume puts those back: the generators where the loader starts the resumed epoch's
+  first batch (its iterator made, the batch not yet fetched, as in the fit that was
+  interrupted, so an augmentation drawn in the dataset draws the same), the rest at the
+  first training step;
 - a fit that ends normally (``on_train_end``) takes one more snapshot, of its end, marked
   finished, and keeps only it: a rank that dies after ``fit()`` returned makes torchrun
   restart every worker, and the restarted fit loads that state, with the loops' progress at
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +81,8 @@ class _FollowingSampler(ElasticSampler):
 
     def __init__(self, original: DistributedSampler) -> None:
         self._original = original
+        self.before_first: Callable[[], None] | None = None
+        """Called once, as the next iteration hands out its first index."""
         super().__init__(
             original.dataset,
             num_replicas=original.num_replicas,
@@ -94,6 +100,20 @@ class _FollowingSampler(ElasticSampler):
     @epoch.setter
     def epoch(self, value: int) -> None:
         self._original.epoch = value
+
+    def __iter__(self) -> Iterator[int]:
+        indices = super().__iter__()
+        call, self.before_first = self.before_first, None
+        return indices if call is None else _calling_first(call, indices)
+
+
+def _calling_first(call: Callable[[], None], indices: Iterator[int]) -> Iterator[int]:
+    """``indices``, with ``call()`` made just before the first is handed out."""
+    for index in indices:
+        call()
+        yield index
+        break
+    yield from indices
 
 
 def _batches_done(sampler: ElasticSampler, batch_sampler: Any) -> int:
@@ -214,12 +234,16 @@ class TrainerElastic:
         batch_sampler.sampler = self.sampler
         self.batch_size = int(batch_sampler.batch_size)
         self._resume_sampler(trainer, batch_sampler)
+        if self._own is not None and self._own["rng"] is not None:
+            # Mid-epoch: the generators go back once the loader's iterator has drawn its
+            # seed, before the first batch's fetch, where the fit that stopped stood.
+            self.sampler.before_first = self._restore_rng
         return dataloader
 
     def before_training_step(self, wrapped: BucketDataParallel | None) -> None:
-        """After a resume at an unchanged world size, put back this rank's own RNG states
-        and own buffers, where the interrupted fit took them: mid-epoch, after the
-        loader's iterator was made, at the first training step."""
+        """After a resume, put back this rank's own buffers (and its generators, if the
+        loader did not: a loader without our sampler), where the interrupted fit took
+        them."""
         self._restore_own(wrapped)
         if wrapped is not None and self._hook is not None:
             restore_hook(wrapped, *self._hook)
@@ -231,13 +255,18 @@ class TrainerElastic:
         if self._finished:
             self._restore_own(wrapped)
 
+    def _restore_rng(self) -> None:
+        """Put back this rank's generators from the snapshot, once."""
+        own = self._own
+        if own is not None and own["rng"] is not None:
+            rng.restore(own["rng"])
+            own["rng"] = None
+
     def _restore_own(self, wrapped: BucketDataParallel | None) -> None:
         own = self._own
         if own is None:
             return
-        if own["rng"] is not None:
-            rng.restore(own["rng"])
-            own["rng"] = None
+        self._restore_rng()
         if wrapped is not None:
             load_own_buffers(wrapped, own["buffers"])
             self._own = None
