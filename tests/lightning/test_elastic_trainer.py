@@ -15,6 +15,9 @@
 - Validating every 4 steps, rank 1 SIGKILLed in the validation run after step 12: step 12
   is done again, with its validation, and the weights are bit-equal; SIGTERM to rank 1 in
   step 12: every rank stops after that validation run, and nothing is done twice.
+- A sampler of the user's (a ``DistributedSampler`` subclass; a ``WeightedRandomSampler``
+  drawing from the global generator), plain and stateful loaders, rank 1 SIGKILLed
+  mid-epoch: bit-equal to the same fit uninterrupted.
 - A random augmentation drawn in the dataset's ``__getitem__`` (a plain DataLoader and a
   StatefulDataLoader, in the main process; and the Fabric loop), rank 1 SIGKILLed
   mid-epoch: bit-equal to the same run uninterrupted (under the Trainer the generators go
@@ -139,24 +142,41 @@ def test_an_augmentation_drawn_by_the_loader_resumes_bit_equal(tmp_path: Path, s
     """Noise drawn from the global generators in ``__getitem__``, rank 1 SIGKILLed once 11
     steps are done (mid-epoch): the resumed epoch fetches its first batch from the
     snapshot's generators, as the uninterrupted fit did, and the weights are bit-equal."""
-    runs = {
-        "augment/straight": ("trainer", "-1"),
-        "augment/trainer": ("trainer", "11"),
-        "augment/stateful": ("stateful", "11"),
-        "augment/fabric_straight": ("fabric", "-1"),
-        "augment/fabric": ("fabric", "11"),
-    }
-    _run_and_compare(tmp_path, shm, runs, env={"ELASTIC_AUGMENT": "1"})
-    out = tmp_path / "augment"
-    for name, straight in (
-        ("trainer", "straight"),
-        ("stateful", "straight"),
-        ("fabric", "fabric_straight"),
-    ):
+    _killed_mid_epoch_is_bit_equal(tmp_path, shm, "augment", {"ELASTIC_AUGMENT": "1"}, fabric=True)
+
+
+@pytest.mark.timeout(900)  # a hang guard: six torchrun jobs of Lightning
+def test_a_sampler_of_the_users_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
+    """A ``DistributedSampler`` subclass (``use_distributed_sampler=False``) and a
+    ``WeightedRandomSampler`` drawing from the global generator (in Lightning's wrapper),
+    under a plain and a stateful loader, rank 1 SIGKILLed mid-epoch: the resumed epoch
+    draws the same order and skips what was used, and the weights are bit-equal."""
+    for kind in ("subclass", "weighted"):
+        _killed_mid_epoch_is_bit_equal(tmp_path, shm, kind, {"ELASTIC_SAMPLER": kind})
+
+
+def _killed_mid_epoch_is_bit_equal(
+    tmp_path: Path, shm: Path, family: str, env: dict[str, str], *, fabric: bool = False
+) -> None:
+    """Under ``env``, the Trainer fit with a plain and a stateful loader (and the Fabric
+    loop), rank 1 SIGKILLed once 11 steps are done, each bit-equal to its run uninterrupted,
+    with at most one step done twice."""
+    straight = {"trainer": "straight", "stateful": "straight"}
+    runs = {f"{family}/straight": ("trainer", "-1")}
+    runs |= {f"{family}/{mode}": (mode, "11") for mode in straight}
+    if fabric:
+        straight["fabric"] = "fabric_straight"
+        runs |= {
+            f"{family}/fabric_straight": ("fabric", "-1"),
+            f"{family}/fabric": ("fabric", "11"),
+        }
+    _run_and_compare(tmp_path, shm, runs, env=env)
+    out = tmp_path / family
+    for name, reference in straight.items():
         assert "attempt 1" in (out / name / "steps.rank1").read_text(), f"{name} did not restart"
         for rank in (0, 1):
-            assert len(done_twice(out / name, rank)) <= 1, (name, rank)
-        assert same_weights(out / name / "final.pt", out / straight / "final.pt"), name
+            assert len(done_twice(out / name, rank)) <= 1, (family, name, rank)
+        assert same_weights(out / name / "final.pt", out / reference / "final.pt"), (family, name)
 
 
 @pytest.mark.timeout(600)  # a hang guard: two torchrun jobs of Lightning

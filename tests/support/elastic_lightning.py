@@ -2,8 +2,11 @@
 
 ``python elastic_lightning.py MODE OUT KILL`` on 2 workers: a Trainer fit of 24 steps (8 an
 epoch) with ``BucketDDP(elastic=True)`` and a plain DataLoader (``trainer``) or a
-StatefulDataLoader (``stateful``), the Trainer fit with ``accumulate_grad_batches=2``
-(``accumulate``: 12 steps, and the kill comes in the second batch of step ``KILL + 1``),
+StatefulDataLoader (``stateful``), either with a sampler of the user's under
+``ELASTIC_SAMPLER`` (``subclass``: a ``DistributedSampler`` subclass passed with
+``use_distributed_sampler=False``; ``weighted``: a ``WeightedRandomSampler`` drawing from
+the global generator, which Lightning wraps for the ranks), the Trainer fit with
+``accumulate_grad_batches=2`` (``accumulate``: 12 steps, and the kill comes in the second batch of step ``KILL + 1``),
 the Trainer fit validating every 4 steps (``validate``: the kill comes in the validation
 run after step ``KILL``),
 or the same loop under Fabric with
@@ -93,11 +96,27 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def train_dataloader(self) -> Any:
+        loader: Any = DataLoader
         if self.stateful:
             from torchdata.stateful_dataloader import StatefulDataLoader
 
-            return StatefulDataLoader(dataset(), batch_size=BATCH)
-        return DataLoader(dataset(), batch_size=BATCH)
+            loader = StatefulDataLoader
+        return loader(dataset(), batch_size=BATCH, **_sampler())
+
+
+class _Subclass(torch.utils.data.DistributedSampler):
+    """A user's own ``DistributedSampler``, which Lightning leaves in place."""
+
+
+def _sampler() -> dict[str, Any]:
+    """The loader's ``sampler`` under ``ELASTIC_SAMPLER``; none by default."""
+    kind = os.environ.get("ELASTIC_SAMPLER")
+    if kind == "subclass":
+        return {"sampler": _Subclass(dataset(), shuffle=True, seed=3)}
+    if kind == "weighted":
+        weights = torch.linspace(0.1, 1.0, len(dataset()))
+        return {"sampler": torch.utils.data.WeightedRandomSampler(weights, len(weights))}
+    return {}
 
 
 class Validating(Module):
@@ -151,6 +170,7 @@ def trainer(
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=out,
+        use_distributed_sampler=os.environ.get("ELASTIC_SAMPLER") != "subclass",
     )
     fit.fit(model)
     if fit.global_rank == 0:

@@ -9,7 +9,9 @@ to the Trainer, through the strategy's hooks and one callback:
   the model, optimizers, schedulers, loops and callbacks as from a checkpoint file;
 - the training loader's ``DistributedSampler`` (the one Lightning puts in) becomes an
   ``ElasticSampler`` following its epoch, so a resumed epoch goes on with the samples no
-  rank has used yet, at any world size;
+  rank has used yet, at any world size; any other sampler is wrapped in a
+  ``ReplaySampler``, which resumes an epoch at the same world size by drawing its order
+  again and skipping what was used;
 - after each ``snapshot_every``-th optimizer step (``on_train_batch_end``, where a
   ``ModelCheckpoint(every_n_train_steps=...)`` saves; or, when a mid-epoch validation run
   follows, at its end), the checkpoint Lightning would save goes to shared memory instead,
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -53,6 +56,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DistributedSampler
 
 from ..elastic import collector, rng, room
@@ -60,6 +64,7 @@ from ..elastic.disk import ENV as PREEMPT_ENV
 from ..elastic.job import NOT_UNDER_TORCHRUN, slurm_job_id, under_slurm
 from ..elastic.loop import hook_parts, load_own_buffers, own_buffers, restore_hook
 from ..elastic.overlap import enabled, late_tensors
+from ..elastic.replay import ReplaySampler
 from ..elastic.resume import Restored
 from ..elastic.sampler import ElasticSampler
 from ..elastic.session import Session, open_session
@@ -103,17 +108,18 @@ class _FollowingSampler(ElasticSampler):
 
     def __iter__(self) -> Iterator[int]:
         indices = super().__iter__()
-        call, self.before_first = self.before_first, None
-        return indices if call is None else _calling_first(call, indices)
+        return indices if self.before_first is None else self._calling_first(indices)
 
-
-def _calling_first(call: Callable[[], None], indices: Iterator[int]) -> Iterator[int]:
-    """``indices``, with ``call()`` made just before the first is handed out."""
-    for index in indices:
-        call()
-        yield index
-        break
-    yield from indices
+    def _calling_first(self, indices: Iterator[int]) -> Iterator[int]:
+        """``indices``, with ``before_first`` called as the first is asked for (not at
+        ``iter()``: a loader may make an iterator it never uses)."""
+        for index in indices:
+            call, self.before_first = self.before_first, None
+            if call is not None:
+                call()
+            yield index
+            break
+        yield from indices
 
 
 def _batches_done(sampler: ElasticSampler, batch_sampler: Any) -> int:
@@ -122,6 +128,16 @@ def _batches_done(sampler: ElasticSampler, batch_sampler: Any) -> int:
     left, size = sampler.left(), int(batch_sampler.batch_size)
     to_go = left // size if batch_sampler.drop_last else -(-left // size)
     return len(batch_sampler) - to_go
+
+
+def _quiet_lightnings_resume_warning() -> None:
+    """Lightning warns that a loader without a ``state_dict`` cannot resume mid-epoch; its
+    sampler does that here."""
+    warnings.filterwarnings(
+        "ignore",
+        message="You're resuming from a checkpoint that ended before the epoch ended",
+        category=PossibleUserWarning,
+    )
 
 
 class TrainerElastic:
@@ -133,6 +149,7 @@ class TrainerElastic:
         self.session: Session | None = None
         self.restored: Restored | None = None
         self.sampler: _FollowingSampler | None = None
+        self.replay: ReplaySampler | None = None  # any other sampler, wrapped
         self.batch_size = 0
         self._own: Any = None  # this rank's own part, until the first training step
         self._position: dict[str, Any] | None = None  # the sampler's, from the snapshot
@@ -202,6 +219,7 @@ class TrainerElastic:
         if (entry := restored.state.get(HOOK_ENTRY)) is not None:
             self._hook = entry, (restored.own or {}).get("hooks")
         self._resume_sampler()
+        self._resume_replay()
         if self._position is not None and self._position["epoch_end"]:
             # Taken on an epoch's last batch: the fit that went on made the next epoch's
             # loader iterator (which draws a seed) after it; so does this one, from here.
@@ -209,7 +227,7 @@ class TrainerElastic:
         return restored.state
 
     def _resume_sampler(self, trainer: Any = None, batch_sampler: Any = None) -> None:
-        if self._position is None or self.sampler is None:
+        if self._position is None or self.sampler is None or self._position["position"] is None:
             return
         position, used = self._position["position"], self._position["used"]
         self.sampler.resume(position, used)
@@ -228,7 +246,13 @@ class TrainerElastic:
         ``DistributedSampler``."""
         batch_sampler: Any = getattr(dataloader, "batch_sampler", None)
         original = getattr(batch_sampler, "sampler", None)
-        if self.session is None or not trainer.training or type(original) is not DistributedSampler:
+        if self.session is None or not trainer.training or original is None:
+            return dataloader
+        if type(original) is not DistributedSampler:
+            if hasattr(batch_sampler, "batch_size"):
+                self.replay = batch_sampler.sampler = ReplaySampler(original)
+                self.batch_size = int(batch_sampler.batch_size)
+                self._resume_replay()
             return dataloader
         self.sampler = _FollowingSampler(original)
         batch_sampler.sampler = self.sampler
@@ -238,7 +262,26 @@ class TrainerElastic:
             # Mid-epoch: the generators go back once the loader's iterator has drawn its
             # seed, before the first batch's fetch, where the fit that stopped stood.
             self.sampler.before_first = self._restore_rng
+            _quiet_lightnings_resume_warning()
         return dataloader
+
+    def _resume_replay(self) -> None:
+        """Mid-epoch, at the same world size: the replay sampler's next epoch goes on where
+        the snapshot's stood."""
+        entry, replay = self._position, self.replay
+        if entry is None or replay is None or entry["epoch_end"] or "world" not in entry:
+            return
+        if self._resized:
+            rank_zero_warn(
+                f"bucketddp: the training sampler ({type(replay.sampler).__name__}) cannot "
+                "split the rest of its epoch over another number of ranks: this epoch's rows "
+                "may be used twice or not at all. Leave the sampler to Lightning (its "
+                "DistributedSampler resumes exactly at any world size)."
+            )
+            return
+        started = (self._own or {}).get("rng_epoch")
+        replay.resume(entry["used"], started, self._restore_rng)
+        _quiet_lightnings_resume_warning()
 
     def before_training_step(self, wrapped: BucketDataParallel | None) -> None:
         """After a resume, put back this rank's own buffers (and its generators, if the
@@ -322,18 +365,21 @@ class TrainerElastic:
         checkpoint = dump_checkpoint(trainer)
         if plan:
             checkpoint["bucketddp"] = plan
-        if self.sampler is not None:
+        own: dict[str, Any] = {"rng": rng.capture(), "buffers": own_buffers(wrapped)}
+        if self.sampler is not None or self.replay is not None:
             # The sampler keeps the position; the loader's own state would skip it twice.
             loops = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
             loops.pop("combined_loader", None)
             progress = trainer.fit_loop.epoch_loop.batch_progress.current.processed
             used = progress * self.batch_size
             checkpoint[ENTRY] = {
-                "position": self.sampler.position(used),
+                "position": None if self.sampler is None else self.sampler.position(used),
                 "used": used,
                 "epoch_end": progress >= trainer.num_training_batches,
             }
-        own = {"rng": rng.capture(), "buffers": own_buffers(wrapped)}
+            if self.replay is not None:
+                checkpoint[ENTRY]["world"] = trainer.world_size
+                own["rng_epoch"] = self.replay.started
         checkpoint[HOOK_ENTRY], own["hooks"] = hook_parts(wrapped)
         return checkpoint, own
 
