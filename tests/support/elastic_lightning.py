@@ -6,10 +6,9 @@ StatefulDataLoader (``stateful``), either with a sampler of the user's under
 ``ELASTIC_SAMPLER`` (``subclass``: a ``DistributedSampler`` subclass passed with
 ``use_distributed_sampler=False``; ``weighted``: a ``WeightedRandomSampler`` drawing from
 the global generator, which Lightning wraps for the ranks), the Trainer fit with
-``accumulate_grad_batches=2`` (``accumulate``: 12 steps, and the kill comes in the second batch of step ``KILL + 1``),
-the Trainer fit validating every 4 steps (``validate``: the kill comes in the validation
-run after step ``KILL``),
-or the same loop under Fabric with
+``accumulate_grad_batches=2`` (``accumulate``: 12 steps, and the kill comes in the second
+batch of step ``KILL + 1``), the Trainer fit validating every 4 steps (``validate``: the
+kill comes in the validation run after step ``KILL``), or the same loop under Fabric with
 ``BucketFabricDDP(elastic=True)`` (``fabric``). In attempt 0, rank 1 kills itself
 (SIGKILL) when ``KILL`` steps are done; under ``ELASTIC_SIGNAL=TERM`` rank
 ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead (``elastic_loop.notice_due``).
