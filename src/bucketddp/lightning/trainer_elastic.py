@@ -130,6 +130,16 @@ def _batches_done(sampler: ElasticSampler, batch_sampler: Any) -> int:
     return len(batch_sampler) - to_go
 
 
+def _fixed_batches(batch_sampler: Any) -> bool:
+    """Whether ``batch_sampler`` is torch's (or torchdata's) ``BatchSampler``: batches of
+    ``batch_size`` consecutive indices of its sampler, so that ``k`` batches used are
+    ``k * batch_size`` indices (a batch sampler of your own may group them otherwise)."""
+    return type(batch_sampler).__name__ == "BatchSampler" and type(batch_sampler).__module__ in (
+        "torch.utils.data.sampler",
+        "torchdata.stateful_dataloader.sampler",
+    )
+
+
 def _quiet_lightnings_resume_warning() -> None:
     """Lightning warns that a loader without a ``state_dict`` cannot resume mid-epoch; its
     sampler does that here."""
@@ -249,7 +259,7 @@ class TrainerElastic:
         if self.session is None or not trainer.training or original is None:
             return dataloader
         if type(original) is not DistributedSampler:
-            if hasattr(batch_sampler, "batch_size"):
+            if _fixed_batches(batch_sampler):
                 self.replay = batch_sampler.sampler = ReplaySampler(original)
                 self.batch_size = int(batch_sampler.batch_size)
                 self._resume_replay()
@@ -271,6 +281,7 @@ class TrainerElastic:
         entry, replay = self._position, self.replay
         if entry is None or replay is None or entry["epoch_end"] or "world" not in entry:
             return
+        del entry["world"]  # once: a loader made again for a later epoch starts it whole
         if self._resized:
             rank_zero_warn(
                 f"bucketddp: the training sampler ({type(replay.sampler).__name__}) cannot "
