@@ -1,10 +1,13 @@
 """bucketddp's fork guard against CPython's gh-112275 (``bucketddp.fork_guard``), on real
 gloo ranks that fork beside a stream of collectives (``tools/fork_repro.py``).
 
-The ground truth: the same ranks without the guard, where about one forked child in a
-thousand never starts (it waits forever in ``PyOS_AfterFork_Child``). With the guard, none
-may. Only on a Python that has the bug; whole programs of about 30 s each, so in the jobs
-tier.
+The ground truth: the same ranks without the guard, where about one forked child in 1,200
+never starts here (it waits forever in ``PyOS_AfterFork_Child``), and one in 6,000 with a
+CPU-bound process per core beside them. With the guard, none may. The race is rare: where
+the unguarded ranks hang no child in two runs (about one time in ten on a loaded
+machine), the hazard was not reached and a guarded run would prove nothing, so the test
+says so and skips. Only on a Python that has the bug; whole programs of about 30 s each
+(60 s loaded), so in the jobs tier.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not affected(), reason="this Python resets the lock in the child"),
 ]
 
-FORKS = 2000  # per rank; without the guard about 1 in 1,000 children hung here
+FORKS = 2000  # per rank
 
 
 def _hung(guard: bool) -> int:
@@ -28,14 +31,12 @@ def _hung(guard: bool) -> int:
     return sum(stuck for stuck, _ in results)
 
 
-@pytest.mark.timeout(900)  # a hang guard: up to three runs of two ranks forking
-def test_without_the_guard_some_forked_children_never_start() -> None:
-    # The ground truth that the ranks reach the hazard; a second run guards against a
-    # rare run that misses it (about 3% of runs of this size here).
+@pytest.mark.timeout(1200)  # a hang guard: up to three runs of two ranks forking
+def test_with_the_guard_every_child_starts_where_without_it_one_hangs() -> None:
     hung = _hung(guard=False) or _hung(guard=False)
-    assert hung > 0
-
-
-@pytest.mark.timeout(600)
-def test_with_the_guard_every_forked_child_starts() -> None:
+    if not hung:
+        pytest.skip(
+            f"without the guard no child of 2 x 2 x {FORKS:,} hung: the race was not reached "
+            "(it is rare on a loaded machine), so a guarded run would prove nothing"
+        )
     assert _hung(guard=True) == 0
