@@ -145,14 +145,17 @@ def test_an_augmentation_drawn_by_the_loader_resumes_bit_equal(tmp_path: Path, s
     _killed_mid_epoch_is_bit_equal(tmp_path, shm, "augment", {"ELASTIC_AUGMENT": "1"}, fabric=True)
 
 
-@pytest.mark.timeout(900)  # a hang guard: six torchrun jobs of Lightning
+@pytest.mark.timeout(900)  # a hang guard: nine torchrun jobs of Lightning
 def test_a_sampler_of_the_users_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
     """A ``DistributedSampler`` subclass (``use_distributed_sampler=False``) and a
     ``WeightedRandomSampler`` drawing from the global generator (in Lightning's wrapper),
     under a plain and a stateful loader, rank 1 SIGKILLed mid-epoch: the resumed epoch
-    draws the same order and skips what was used, and the weights are bit-equal."""
+    draws the same order and skips what was used, and the weights are bit-equal; with the
+    loader made again every epoch, the next epoch starts whole."""
     for kind in ("subclass", "weighted"):
         _killed_mid_epoch_is_bit_equal(tmp_path, shm, kind, {"ELASTIC_SAMPLER": kind})
+    reload = {"ELASTIC_SAMPLER": "subclass", "ELASTIC_RELOAD": "1"}
+    _killed_mid_epoch_is_bit_equal(tmp_path, shm, "reload", reload)
 
 
 def _killed_mid_epoch_is_bit_equal(

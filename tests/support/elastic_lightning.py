@@ -5,7 +5,8 @@ epoch) with ``BucketDDP(elastic=True)`` and a plain DataLoader (``trainer``) or 
 StatefulDataLoader (``stateful``), either with a sampler of the user's under
 ``ELASTIC_SAMPLER`` (``subclass``: a ``DistributedSampler`` subclass passed with
 ``use_distributed_sampler=False``; ``weighted``: a ``WeightedRandomSampler`` drawing from
-the global generator, which Lightning wraps for the ranks), the Trainer fit with
+the global generator, which Lightning wraps for the ranks; the loader made again every
+epoch under ``ELASTIC_RELOAD=1``), the Trainer fit with
 ``accumulate_grad_batches=2`` (``accumulate``: 12 steps, and the kill comes in the second
 batch of step ``KILL + 1``), the Trainer fit validating every 4 steps (``validate``: the
 kill comes in the validation run after step ``KILL``), or the same loop under Fabric with
@@ -170,6 +171,7 @@ def trainer(
         enable_model_summary=False,
         default_root_dir=out,
         use_distributed_sampler=os.environ.get("ELASTIC_SAMPLER") != "subclass",
+        reload_dataloaders_every_n_epochs=int(os.environ.get("ELASTIC_RELOAD", "0")),
     )
     fit.fit(model)
     if fit.global_rank == 0:
