@@ -107,19 +107,12 @@ class _FollowingSampler(ElasticSampler):
         self._original.epoch = value
 
     def __iter__(self) -> Iterator[int]:
-        indices = super().__iter__()
-        return indices if self.before_first is None else self._calling_first(indices)
-
-    def _calling_first(self, indices: Iterator[int]) -> Iterator[int]:
-        """``indices``, with ``before_first`` called as the first is asked for (not at
-        ``iter()``: a loader may make an iterator it never uses)."""
-        for index in indices:
-            call, self.before_first = self.before_first, None
-            if call is not None:
-                call()
-            yield index
-            break
-        yield from indices
+        # A generator, as ``ReplaySampler.__iter__``: ``before_first`` runs as the first
+        # index is asked for, not at ``iter()`` (a loader may make an iterator it never uses).
+        call, self.before_first = self.before_first, None
+        if call is not None:
+            call()
+        yield from super().__iter__()
 
 
 def _batches_done(sampler: ElasticSampler, batch_sampler: Any) -> int:
