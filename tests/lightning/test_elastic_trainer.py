@@ -32,7 +32,9 @@
   clean exits leave nothing under the snapshot root.
 - A node lost: two torchrun agents on this machine (``--nnodes=1:2``), one killed with its
   worker mid-epoch; the other goes on at world size 1, every epoch uses every row exactly
-  once, and a ``"sum"`` buffer counts every row once.
+  once, and a ``"sum"`` buffer counts every row once. With a ``WeightedRandomSampler``
+  instead (Lightning wraps it), the survivor finishes and warns once that the epoch's rows
+  may be used twice or not at all.
 - A whole-job preemption: SIGTERM to the torchrun agent once 13 steps are done (it sends
   SIGTERM to every worker and ends the job), with ``BUCKETDDP_PREEMPT_DIR`` given: every
   rank stops after step 14, the snapshot goes to disk and ``/dev/shm`` is left empty; the
@@ -308,8 +310,33 @@ def _agent(out: Path, port: int, host: bool, env: dict[str, str]) -> subprocess.
 
 @pytest.mark.timeout(900)  # a hang guard: several torchrun jobs of Lightning
 def test_a_lost_node_leaves_the_rest_training_on_every_row_once(tmp_path: Path, shm: Path) -> None:
+    log = _lose_a_node(tmp_path, shm, {})
+    assert (tmp_path / "done.rank0").read_text().split() == ["world", "1", "seen", "192"]
+    assert RESIZED_WARNING not in log  # Lightning's own sampler: resumed at any size
+    rows = rows_by_epoch(tmp_path)  # each step's rows once: up to the snapshot, then after
+    assert sorted(rows) == [0, 1, 2]
+    for epoch, count in rows.items():
+        assert count == Counter(range(64)), f"epoch {epoch}: rows lost or used twice"
+
+
+RESIZED_WARNING = "cannot split the rest of its epoch over another number of ranks"
+
+
+@pytest.mark.timeout(600)  # a hang guard: two torchrun agents of Lightning
+def test_a_users_sampler_resumed_at_another_world_size_warns(tmp_path: Path, shm: Path) -> None:
+    # A WeightedRandomSampler, which Lightning wraps for the ranks: its order at world size
+    # 1 is another than at 2, so the rest of the epoch cannot be told apart; it says so.
+    log = _lose_a_node(tmp_path, shm, {"ELASTIC_SAMPLER": "weighted"})
+    assert (tmp_path / "done.rank0").read_text().split()[:2] == ["world", "1"]
+    assert log.count(RESIZED_WARNING) == 1, log[-4000:]
+    assert "(DistributedSamplerWrapper)" in log
+
+
+def _lose_a_node(tmp_path: Path, shm: Path, extra: dict[str, str]) -> str:
+    """Two agents, one worker each; the victim's worker kills itself and its agent at step
+    11. The survivor finishes at world size 1; its log is returned."""
     port = free_port()
-    env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm)}
+    env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm), **extra}
     survivor = _agent(tmp_path, port, host=True, env=env)  # hosts the rendezvous store
     victim = _agent(tmp_path, port, host=False, env={**env, "ELASTIC_VICTIM": "1"})
     try:
@@ -319,11 +346,7 @@ def test_a_lost_node_leaves_the_rest_training_on_every_row_once(tmp_path: Path, 
         for proc in (survivor, victim):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    assert (tmp_path / "done.rank0").read_text().split() == ["world", "1", "seen", "192"]
-    rows = rows_by_epoch(tmp_path)  # each step's rows once: up to the snapshot, then after
-    assert sorted(rows) == [0, 1, 2]
-    for epoch, count in rows.items():
-        assert count == Counter(range(64)), f"epoch {epoch}: rows lost or used twice"
+    return (tmp_path / "agentA.log").read_text()
 
 
 def _steps(out: Path, rank: int) -> list[int]:

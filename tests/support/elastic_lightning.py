@@ -26,7 +26,7 @@ has: each process logs the rows it trains on to ``OUT/rows.rank<R>.pid<P>`` and,
 end, its world size and ``"sum"`` buffer to ``OUT/done.rank<R>``. The agent's worker named
 by ``ELASTIC_VICTIM=1`` kills itself and its agent when ``KILL`` steps are done; under
 ``ELASTIC_GROW_AT=N``, a worker alone in its round stops in step ``N + 1`` until a joining
-agent makes torchrun stop it (``wait_for_a_joiner``).
+agent makes torchrun stop it (``wait_for_a_joiner``). ``ELASTIC_SAMPLER`` applies to it too.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ class Counting(pl.LightningModule):
     def train_dataloader(self) -> Any:
         rows = dataset().tensors
         indexed = torch.utils.data.TensorDataset(torch.arange(len(rows[0])), *rows)
-        return DataLoader(indexed, batch_size=BATCH)
+        return DataLoader(indexed, batch_size=BATCH, **_sampler())
 
 
 def wait_for_a_joiner(out: str) -> None:
