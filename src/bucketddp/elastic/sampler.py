@@ -31,6 +31,18 @@ class EpochPosition:
     offset: int
 
 
+def same_order(like: DistributedSampler[Any]) -> dict[str, Any]:
+    """``like``'s arguments but its dataset: an ``ElasticSampler`` made with them (and the
+    same dataset) draws ``like``'s order."""
+    return {
+        "num_replicas": like.num_replicas,
+        "rank": like.rank,
+        "shuffle": like.shuffle,
+        "seed": like.seed,
+        "drop_last": like.drop_last,
+    }
+
+
 def epoch_order(
     size: int, world: int, epoch: int, seed: int, shuffle: bool, drop_last: bool
 ) -> list[int]:

@@ -66,7 +66,7 @@ from ..elastic.loop import hook_parts, load_own_buffers, own_buffers, restore_ho
 from ..elastic.overlap import enabled, late_tensors
 from ..elastic.replay import ReplaySampler
 from ..elastic.resume import Restored
-from ..elastic.sampler import ElasticSampler
+from ..elastic.sampler import ElasticSampler, same_order
 from ..elastic.session import Session, open_session
 from ..notice import NOTICE
 from ..parallel import BucketDataParallel
@@ -88,14 +88,7 @@ class _FollowingSampler(ElasticSampler):
         self._original = original
         self.before_first: Callable[[], None] | None = None
         """Called once, as the next iteration hands out its first index."""
-        super().__init__(
-            original.dataset,
-            num_replicas=original.num_replicas,
-            rank=original.rank,
-            shuffle=original.shuffle,
-            seed=original.seed,
-            drop_last=original.drop_last,
-        )
+        super().__init__(original.dataset, **same_order(original))
 
     @property
     def epoch(self) -> int:
