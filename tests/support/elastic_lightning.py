@@ -10,7 +10,9 @@ epoch under ``ELASTIC_RELOAD=1``), the Trainer fit with
 ``accumulate_grad_batches=2`` (``accumulate``: 12 steps, and the kill comes in the second
 batch of step ``KILL + 1``), the Trainer fit validating every 4 steps (``validate``: the
 kill comes in the validation run after step ``KILL``), or the same loop under Fabric with
-``BucketFabricDDP(elastic=True)`` (``fabric``). In attempt 0, rank 1 kills itself
+``BucketFabricDDP(elastic=True)`` (``fabric``; its loader through ``fab.setup_dataloaders``
+under ``ELASTIC_FABRIC_LOADER``: ``fabric``, a shuffled loader whose sampler Fabric makes;
+``own``, the loop's ``ElasticSampler``). In attempt 0, rank 1 kills itself
 (SIGKILL) when ``KILL`` steps are done; under ``ELASTIC_SIGNAL=TERM`` rank
 ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead (``elastic_loop.notice_due``).
 Each rank logs the steps it completes to ``OUT/steps.rank<R>``; rank 0 saves the final
@@ -185,10 +187,16 @@ def fabric(out: str, kill: int) -> None:
     net = _net()
     model, opt = fab.setup(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
     data = dataset()
-    sampler = ElasticSampler(data, shuffle=True, seed=0)
-    # Not through fab.setup_dataloaders: Fabric's loader sets the sampler's epoch to its own
-    # count of iterations, which starts again at 0 in a restarted process.
-    loader = DataLoader(data, batch_size=BATCH, sampler=sampler, generator=torch.Generator())
+    setup = os.environ.get("ELASTIC_FABRIC_LOADER")
+    if setup == "fabric":  # Fabric's own sampler, from a shuffled loader: seed 0, as below
+        plain = DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator())
+        loader = fab.setup_dataloaders(plain)
+        sampler = loader.sampler
+    else:
+        sampler = ElasticSampler(data, shuffle=True, seed=0)
+        loader = DataLoader(data, batch_size=BATCH, sampler=sampler, generator=torch.Generator())
+        if setup == "own":
+            loader = fab.setup_dataloaders(loader)
     state = {"model": model, "optimizer": opt, "epoch": 0}
     job = fab.strategy.elastic(state, sampler=sampler, batch_size=BATCH)
     job.resume()

@@ -127,6 +127,12 @@ class Elastic:
         requeue: bool = False,
         overlap: bool | None = None,
     ) -> None:
+        if sampler is not None and not isinstance(sampler, ElasticSampler):
+            raise TypeError(
+                f"Elastic(sampler=...) got a {type(sampler).__name__}, which cannot resume an "
+                "epoch: give the loader a bucketddp.elastic.ElasticSampler (it takes "
+                "DistributedSampler's arguments and draws its order)"
+            )
         if sampler is not None and (batch_size is None or batch_size < 1):
             raise ValueError(
                 "Elastic(sampler=...) needs batch_size: the samples per rank per batch"

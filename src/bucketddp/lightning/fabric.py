@@ -41,7 +41,7 @@ from .._compat import weights_only_kwargs
 from ..bucket_plan import adopt_plan, is_plan_entry, plan_entry
 from ..buffers import Policy
 from ..checkpoint import Source, check_source, load_checkpoint, strip_prefix
-from ..elastic import Elastic
+from ..elastic import Elastic, ElasticSampler
 from ..faults import release
 from ..options import DEFAULT_STALL_TIMEOUT, EngineOptions
 from ..parallel import BucketDataParallel
@@ -55,6 +55,7 @@ from .common import (
     register_twins,
 )
 from .fabric_launcher import WatchedFabricProcessLauncher, WatchedFabricScriptLauncher
+from .fabric_loaders import FabricLoaders
 from .internals import (
     BackwardSyncControl,
     FabricProcessLauncher,
@@ -205,6 +206,7 @@ class BucketFabricDDP(FabricStrategyHooks, DDPStrategy):
         set_backward_sync_control(self, _BucketBackwardSyncControl())
         self._averager: PeriodicModelAverager | None = None
         self._wrapped: weakref.WeakSet[BucketDataParallel] = weakref.WeakSet()
+        self._loaders = FabricLoaders()
 
     @property
     def engine_options(self) -> EngineOptions:
@@ -216,15 +218,37 @@ class BucketFabricDDP(FabricStrategyHooks, DDPStrategy):
         ``fabric.setup``, counters), every ``snapshot_every`` steps: ``Elastic(state,
         **kwargs)`` (see ``bucketddp.elastic.Elastic``).
 
+        For a loader set up with ``fabric.setup_dataloaders`` (before this call), pass
+        ``sampler=loader.sampler``: the strategy put a resumable sampler in its place that
+        follows Fabric's epochs (``fabric_loaders.py``).
+
         Raises:
             RuntimeError: the strategy was made without ``elastic=True``.
+            TypeError: a ``sampler`` that cannot resume an epoch.
         """
         every = self._options.snapshot_every
         if every is None:
             raise RuntimeError(
                 "strategy.elastic() needs BucketFabricDDP(elastic=True, snapshot_every=...)"
             )
-        return Elastic(state, every=every, **kwargs)
+        sampler = self._loaders.sampler_for(kwargs.get("sampler"))
+        if sampler is not None and not isinstance(sampler, ElasticSampler):
+            raise TypeError(
+                f"strategy.elastic(sampler=...) got a {type(sampler).__name__}, which cannot "
+                "resume an epoch: set the loader up with fabric.setup_dataloaders (shuffled or "
+                "not, with no sampler of yours) before strategy.elastic(), and pass "
+                "loader.sampler; or give the loader a bucketddp.elastic.ElasticSampler"
+            )
+        return Elastic(state, every=every, **{**kwargs, "sampler": sampler})
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Under ``elastic=True``, the loader's ``DistributedSampler`` becomes a resumable
+        one that follows Fabric's epochs after a restart too (``fabric_loaders.py``)."""
+        dataloader = super().process_dataloader(dataloader)
+        if self._options.snapshot_every is None:
+            return dataloader
+        return self._loaders.follow(dataloader)
 
     # ------------------------------------------------------------------ process group
     @override

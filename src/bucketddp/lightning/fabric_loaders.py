@@ -1,0 +1,69 @@
+"""Loaders set up by ``fabric.setup_dataloaders`` under ``BucketFabricDDP(elastic=True)``.
+
+Fabric's loader sets its sampler's epoch to the number of times this process has iterated
+it. After torchrun restarts the workers that count starts at 0 again, so a resumed run
+would draw every later epoch's order from the wrong epoch: other rows than the run that
+was interrupted, and the resumed epoch whole again. So the strategy puts a
+``CountingSampler`` in each such loader in place of its ``DistributedSampler`` (the one
+Fabric made, or an ``ElasticSampler`` of yours): an ``ElasticSampler`` with the same order,
+whose epoch is Fabric's count plus the epoch a resume started in.
+``strategy.elastic(state, sampler=loader.sampler)`` finds it from the sampler the loader
+was made with. Other samplers (Fabric's wrapper around a weighted one, your own
+``DistributedSampler`` subclass) are left as they are.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch.utils.data import DistributedSampler
+
+from ..elastic.sampler import ElasticSampler, EpochPosition, same_order
+
+
+class CountingSampler(ElasticSampler):
+    """An ``ElasticSampler`` with ``like``'s order, whose ``set_epoch(n)`` (Fabric's n-th
+    iteration of the loader in this process) sets the epoch ``n`` plus the resumed one."""
+
+    def __init__(self, like: DistributedSampler[Any]) -> None:
+        super().__init__(like.dataset, **same_order(like))
+        self._offset = 0
+        self.epoch = like.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch to ``epoch`` iterations after the one a resume started in."""
+        super().set_epoch(epoch + self._offset)
+
+    def resume(self, position: EpochPosition, used: int) -> None:
+        """Continue ``position``'s epoch; this process's first iteration is that epoch."""
+        self._offset = 0
+        super().resume(position, used)
+        self._offset = position.epoch
+
+
+class FabricLoaders:
+    """The ``CountingSampler`` put in each loader set up so far, by the sampler it replaced."""
+
+    def __init__(self) -> None:
+        self._by_original: weakref.WeakKeyDictionary[Any, CountingSampler] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def follow(self, dataloader: Any) -> Any:
+        """Put a ``CountingSampler`` in ``dataloader`` in place of a ``DistributedSampler``
+        or ``ElasticSampler`` (a subclass of yours is left as it is)."""
+        batch_sampler: Any = getattr(dataloader, "batch_sampler", None)
+        original: Any = getattr(batch_sampler, "sampler", None)
+        if type(original) not in (DistributedSampler, ElasticSampler):
+            return dataloader
+        counting = CountingSampler(original)
+        batch_sampler.sampler = counting
+        self._by_original[original] = counting
+        return dataloader
+
+    def sampler_for(self, sampler: Any) -> Any:
+        """The sampler that a loader set up iterates in place of ``sampler`` (itself if none)."""
+        if sampler is None:
+            return None
+        return self._by_original.get(sampler, sampler)
