@@ -23,8 +23,8 @@
   mid-epoch: bit-equal to the same run uninterrupted (under the Trainer the generators go
   back before the resumed epoch's first fetch).
 - The Fabric loop's loader through ``fabric.setup_dataloaders`` (Fabric's sampler, and the
-  loop's ``ElasticSampler``), rank 1 SIGKILLed mid-epoch: bit-equal to the same run
-  uninterrupted.
+  loop's ``ElasticSampler``), and the loop's sampler in a StatefulDataLoader in the state,
+  rank 1 SIGKILLed mid-epoch: bit-equal to the same run uninterrupted.
 - With PowerSGD, rank 1 SIGKILLed after 13 steps of the Trainer fit and the Fabric loop:
   bit-equal to the same run uninterrupted (the hook's state is in the snapshots).
 - With PowerSGD, a Trainer checkpoint saved after step 16 and resumed by a new fit with
@@ -167,9 +167,10 @@ def test_a_sampler_of_the_users_resumes_bit_equal(tmp_path: Path, shm: Path) -> 
 def test_a_loader_set_up_by_fabric_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
     """The Fabric loop's loader through ``fabric.setup_dataloaders``, whose sampler's epoch
     Fabric sets to its count of iterations (0 again after a restart), with Fabric's sampler
-    and with the loop's ``ElasticSampler``: rank 1 SIGKILLed once 11 steps are done, the
-    resumed epoch goes on in its own order, and the weights are bit-equal."""
-    for setup in ("fabric", "own"):
+    and with the loop's ``ElasticSampler``; and that sampler in a StatefulDataLoader in the
+    loop's state (whose own fast-forward is left out): rank 1 SIGKILLed once 11 steps are
+    done, the resumed epoch goes on in its own order, and the weights are bit-equal."""
+    for setup in ("fabric", "own", "stateful"):
         runs = {f"{setup}/straight": ("fabric", "-1"), f"{setup}/killed": ("fabric", "11")}
         _run_and_compare(tmp_path, shm, runs, env={"ELASTIC_FABRIC_LOADER": setup})
         out = tmp_path / setup

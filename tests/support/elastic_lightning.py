@@ -12,7 +12,8 @@ batch of step ``KILL + 1``), the Trainer fit validating every 4 steps (``validat
 kill comes in the validation run after step ``KILL``), or the same loop under Fabric with
 ``BucketFabricDDP(elastic=True)`` (``fabric``; its loader through ``fab.setup_dataloaders``
 under ``ELASTIC_FABRIC_LOADER``: ``fabric``, a shuffled loader whose sampler Fabric makes;
-``own``, the loop's ``ElasticSampler``). In attempt 0, rank 1 kills itself
+``own``, the loop's ``ElasticSampler``; or ``stateful``: that sampler in a StatefulDataLoader in
+the loop's state, not set up). In attempt 0, rank 1 kills itself
 (SIGKILL) when ``KILL`` steps are done; under ``ELASTIC_SIGNAL=TERM`` rank
 ``ELASTIC_SIGNAL_RANK`` sends itself SIGTERM then instead (``elastic_loop.notice_due``).
 Each rank logs the steps it completes to ``OUT/steps.rank<R>``; rank 0 saves the final
@@ -198,6 +199,13 @@ def fabric(out: str, kill: int) -> None:
         if setup == "own":
             loader = fab.setup_dataloaders(loader)
     state = {"model": model, "optimizer": opt, "epoch": 0}
+    if setup == "stateful":  # the loop's sampler, in a StatefulDataLoader in the state
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(
+            data, batch_size=BATCH, sampler=sampler, generator=torch.Generator()
+        )
+        state["loader"] = loader
     job = fab.strategy.elastic(state, sampler=sampler, batch_size=BATCH)
     job.resume()
     rank = fab.global_rank

@@ -79,6 +79,13 @@ def load_own_buffers(wrapper: BucketDataParallel, values: dict[str, Any]) -> Non
             buffers[name].data.copy_(value)
 
 
+def draws_from(loader: object, sampler: object) -> bool:
+    """Whether ``loader`` takes its indices from ``sampler``, directly or through its batch
+    sampler."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None))
+
+
 class Elastic:
     """Snapshots of a hand-written loop's state in node-local shared memory, and resume
     from them after torchrun restarts the workers (``docs/elastic.md``).
@@ -90,7 +97,9 @@ class Elastic:
             epoch number) is put back into ``state``.
         every: take a snapshot every this many steps.
         sampler: the training data's ``ElasticSampler``: after a restart, even at another
-            world size, the epoch goes on with the samples no rank has used yet.
+            world size, the epoch goes on with the samples no rank has used yet. A loader
+            in ``state`` that draws from it (a StatefulDataLoader) keeps no state of its own
+            in the snapshots: its fast-forward would skip the used samples a second time.
         batch_size: samples per rank per batch (needed with ``sampler``).
         group: the process group (the default one if None).
         signals: the signals that stop every rank together after the current step, with a
@@ -164,7 +173,8 @@ class Elastic:
         ``finish()``), the state is the one ``finish()`` saw, and ``finished`` is True: a
         loop whose bounds come from the state (an epoch counter, ``steps``) does no step."""
         session = self.session
-        restored = session.restore(room.estimate(self.state.values())) if session else None
+        values = [value for _, value in self._kept()]
+        restored = session.restore(room.estimate(values)) if session else None
         if restored is None:
             return False
         saved = restored.state
@@ -225,7 +235,7 @@ class Elastic:
         """A snapshot's shared state and this rank's own part, as of now."""
         saved: dict[str, Any] = {"state": {}, "plans": {}, "hooks": {}, "steps": self.steps}
         own: dict[str, Any] = {"rng": rng.capture(), "buffers": {}, "hooks": {}}
-        for name, value in self.state.items():
+        for name, value in self._kept():
             wrapper = wrapper_of(value)
             if wrapper is not None:
                 wrapper.sync_buffers_to_save()  # as a checkpoint has them
@@ -235,6 +245,14 @@ class Elastic:
             saved["state"][name] = value.state_dict() if hasattr(value, "state_dict") else value
         saved["position"] = position
         return saved, own
+
+    def _kept(self) -> list[tuple[str, Any]]:
+        """What the snapshots hold of ``state``: all but a loader drawing from ``sampler``,
+        which keeps the position (not even asked for its ``state_dict()``, which makes a
+        StatefulDataLoader draw its next epoch's order at once)."""
+        sampler = self.sampler
+        items = self.state.items()
+        return [(n, v) for n, v in items if sampler is None or not draws_from(v, sampler)]
 
     def _agree_on_notice(self) -> None:
         # No wrapper's row carried the stop flag this step: an all-reduce of its own.
