@@ -72,7 +72,15 @@ def test_follow_replaces_distributed_and_elastic_samplers_only() -> None:
 
 def test_a_sampler_that_cannot_resume_is_named() -> None:
     sampler = DistributedSampler(range(8), num_replicas=2, rank=0)
-    with pytest.raises(TypeError, match=r"got a DistributedSampler.*fabric.setup_dataloaders"):
+    with pytest.raises(TypeError, match=r"draws from a DistributedSampler.*setup_dataloaders"):
         BucketFabricDDP(elastic=True).elastic({}, sampler=sampler, batch_size=2)
+    # A loader that shows one sampler and draws from another: the error names the second.
+    strategy = BucketFabricDDP(elastic=True)
+    shown = torch.utils.data.SequentialSampler(range(8))
+    loader = DataLoader(range(8), batch_size=2, sampler=shown)
+    loader.batch_sampler.sampler = torch.utils.data.RandomSampler(range(8))
+    strategy.process_dataloader(loader)
+    with pytest.raises(TypeError, match=r"draws from a RandomSampler"):
+        strategy.elastic({}, sampler=shown, batch_size=2)
     with pytest.raises(TypeError, match=r"Elastic\(sampler=...\) got a RandomSampler"):
         Elastic({}, sampler=torch.utils.data.RandomSampler(range(8)), batch_size=2)

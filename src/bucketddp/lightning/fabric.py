@@ -234,10 +234,11 @@ class BucketFabricDDP(FabricStrategyHooks, DDPStrategy):
         sampler = self._loaders.sampler_for(kwargs.get("sampler"))
         if sampler is not None and not isinstance(sampler, ElasticSampler):
             raise TypeError(
-                f"strategy.elastic(sampler=...) got a {type(sampler).__name__}, which cannot "
-                "resume an epoch: set the loader up with fabric.setup_dataloaders (shuffled or "
-                "not, with no sampler of yours) before strategy.elastic(), and pass "
-                "loader.sampler; or give the loader a bucketddp.elastic.ElasticSampler"
+                f"strategy.elastic(sampler=...): the loader draws from a "
+                f"{type(sampler).__name__}, which cannot resume an epoch. Set up a torch "
+                "DataLoader (shuffled or not, with no sampler of yours) with "
+                "fabric.setup_dataloaders before strategy.elastic(), and pass loader.sampler; "
+                "or give the loader a bucketddp.elastic.ElasticSampler"
             )
         return Elastic(state, every=every, **{**kwargs, "sampler": sampler})
 

@@ -43,27 +43,30 @@ class CountingSampler(ElasticSampler):
 
 
 class FabricLoaders:
-    """The ``CountingSampler`` put in each loader set up so far, by the sampler it replaced."""
+    """The sampler each loader set up so far draws from, by the samplers it shows
+    (``loader.sampler``, and its batch sampler's before the set-up)."""
 
     def __init__(self) -> None:
-        self._by_original: weakref.WeakKeyDictionary[Any, CountingSampler] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._drawn: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     def follow(self, dataloader: Any) -> Any:
         """Put a ``CountingSampler`` in ``dataloader`` in place of a ``DistributedSampler``
         or ``ElasticSampler`` (a subclass of yours is left as it is)."""
         batch_sampler: Any = getattr(dataloader, "batch_sampler", None)
-        original: Any = getattr(batch_sampler, "sampler", None)
-        if type(original) not in (DistributedSampler, ElasticSampler):
+        drawn: Any = getattr(batch_sampler, "sampler", None)
+        if drawn is None:
             return dataloader
-        counting = CountingSampler(original)
-        batch_sampler.sampler = counting
-        self._by_original[original] = counting
+        shown = [drawn, getattr(dataloader, "sampler", None)]
+        if type(drawn) in (DistributedSampler, ElasticSampler):
+            drawn = batch_sampler.sampler = CountingSampler(drawn)
+        for sampler in shown:
+            if sampler is not None:
+                self._drawn[sampler] = drawn
         return dataloader
 
     def sampler_for(self, sampler: Any) -> Any:
-        """The sampler that a loader set up iterates in place of ``sampler`` (itself if none)."""
+        """The sampler that a loader set up draws from in place of ``sampler`` (itself if
+        no loader showed it)."""
         if sampler is None:
             return None
-        return self._by_original.get(sampler, sampler)
+        return self._drawn.get(sampler, sampler)
