@@ -11,7 +11,8 @@ epoch under ``ELASTIC_RELOAD=1``), the Trainer fit with
 batch of step ``KILL + 1``), the Trainer fit validating every 4 steps (``validate``: the
 kill comes in the validation run after step ``KILL``), or the same loop under Fabric with
 ``BucketFabricDDP(elastic=True)`` (``fabric``; its loader through ``fab.setup_dataloaders``
-under ``ELASTIC_FABRIC_LOADER``: ``fabric``, a shuffled loader whose sampler Fabric makes;
+under ``ELASTIC_FABRIC_LOADER``: ``fabric``, a shuffled loader whose sampler Fabric makes,
+with no generator of its own;
 ``own``, the loop's ``ElasticSampler``; or ``stateful``: that sampler in a StatefulDataLoader in
 the loop's state, not set up). In attempt 0, rank 1 kills itself
 (SIGKILL) when ``KILL`` steps are done; under ``ELASTIC_SIGNAL=TERM`` rank
@@ -190,8 +191,8 @@ def fabric(out: str, kill: int) -> None:
     data = dataset()
     setup = os.environ.get("ELASTIC_FABRIC_LOADER")
     if setup == "fabric":  # Fabric's own sampler, from a shuffled loader: seed 0, as below
-        plain = DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator())
-        loader = fab.setup_dataloaders(plain)
+        # No generator of its own: each iterator's seed comes from the global generator.
+        loader = fab.setup_dataloaders(DataLoader(data, batch_size=BATCH, shuffle=True))
         sampler = loader.sampler
     else:
         sampler = ElasticSampler(data, shuffle=True, seed=0)

@@ -81,3 +81,17 @@ def test_the_next_epoch_is_plain_distributed_sampler_order() -> None:
     reference = DistributedSampler(range(20), num_replicas=2, rank=1, seed=5)
     reference.set_epoch(1)
     assert list(s) == list(reference) and len(s) == len(reference)
+
+
+def test_before_first_runs_as_the_first_index_is_asked_for() -> None:
+    calls: list[str] = []
+    sampler = ElasticSampler(range(8), num_replicas=2, rank=0, shuffle=False)
+    sampler.before_first = lambda: calls.append("first")
+    indices = iter(sampler)
+    assert calls == []  # not at iter(): a loader may make an iterator it never uses
+    assert next(indices) == 0 and calls == ["first"]
+    assert list(indices) == [2, 4, 6] and list(sampler) == [0, 2, 4, 6] and calls == ["first"]
+    # An epoch with nothing left (resumed at its end) still calls it, as it ends.
+    sampler.resume(EpochPosition(epoch=0, base_world=2, offset=8), 4)
+    sampler.before_first = lambda: calls.append("empty")
+    assert list(sampler) == [] and calls == ["first", "empty"]

@@ -197,6 +197,8 @@ class Elastic:
         own = restored.own
         if own is not None:  # this rank had a part: its own generators and buffers
             rng.restore(own["rng"])
+            if self.sampler is not None and saved["position"] is not None:
+                self._restore_rng_again(self.sampler, saved["position"].epoch, own["rng"])
             for name, values in own["buffers"].items():
                 if (wrapper := wrapper_of(self.state.get(name))) is not None:
                     load_own_buffers(wrapper, values)
@@ -205,6 +207,21 @@ class Elastic:
                 mine = own.get("hooks", {}).get(name) if own is not None else None
                 restore_hook(wrapper, entry, mine)
         return True
+
+    @staticmethod
+    def _restore_rng_again(sampler: ElasticSampler, epoch: int, state: Any) -> None:
+        """Put the generators back once more as the loader asks for the resumed epoch's
+        first index: the loop's draws at an epoch's start (a loader iterator's seed, drawn
+        from the global generator unless the loader has its own) came before the snapshot
+        in the interrupted run, and come again after ``resume()`` here. Only if that
+        iteration is the resumed epoch's (for one that ended at the snapshot: its empty
+        iteration, before the next epoch's draws)."""
+
+        def again() -> None:
+            if sampler.epoch == epoch:
+                rng.restore(state)
+
+        sampler.before_first = again
 
     def step(self, batches: int = 1) -> None:
         """Mark the end of a step (after ``optimizer.step()``) that used ``batches`` batches

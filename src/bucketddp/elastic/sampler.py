@@ -13,7 +13,7 @@ so no sample is lost or taken twice.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,13 +74,15 @@ class ElasticSampler(DistributedSampler):
     ``resume(position, used)`` makes the epoch continue from there: ``used`` is how many
     samples per rank the caller counts as done in that epoch (its later ``position``
     calls count from the epoch's start, those included). ``len()`` is always a whole
-    epoch's share at this world size.
+    epoch's share at this world size. ``before_first``, if set, is called once, as the next
+    iteration is asked for its first index (or finds it has none).
     """
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
         self._resumed: tuple[EpochPosition, int] | None = None
         self._cached: tuple[tuple[Any, ...], list[int]] | None = None
+        self.before_first: Callable[[], None] | None = None
 
     def _order(self, world: int) -> list[int]:
         size = len(self.dataset)  # type: ignore[arg-type]
@@ -106,7 +108,13 @@ class ElasticSampler(DistributedSampler):
         return shard
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._shard())
+        # A generator: ``before_first`` runs as the first index is asked for, not at
+        # ``iter()``. A loader may make an iterator it never uses (torchdata's
+        # StatefulDataLoader makes its sampler's at once), and draws its own seed around it.
+        call, self.before_first = self.before_first, None
+        if call is not None:
+            call()
+        yield from self._shard()
 
     def __len__(self) -> int:
         # A whole epoch's share at this world size, resumed or not: a loop that counts the

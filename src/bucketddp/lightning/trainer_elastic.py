@@ -48,7 +48,6 @@ from __future__ import annotations
 import os
 import signal
 import warnings
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +85,6 @@ class _FollowingSampler(ElasticSampler):
 
     def __init__(self, original: DistributedSampler) -> None:
         self._original = original
-        self.before_first: Callable[[], None] | None = None
-        """Called once, as the next iteration hands out its first index."""
         super().__init__(original.dataset, **same_order(original))
 
     @property
@@ -98,14 +95,6 @@ class _FollowingSampler(ElasticSampler):
     @epoch.setter
     def epoch(self, value: int) -> None:
         self._original.epoch = value
-
-    def __iter__(self) -> Iterator[int]:
-        # A generator, as ``ReplaySampler.__iter__``: ``before_first`` runs as the first
-        # index is asked for, not at ``iter()`` (a loader may make an iterator it never uses).
-        call, self.before_first = self.before_first, None
-        if call is not None:
-            call()
-        yield from super().__iter__()
 
 
 def _batches_done(sampler: ElasticSampler, batch_sampler: Any) -> int:
