@@ -84,3 +84,14 @@ def test_a_sampler_that_cannot_resume_is_named() -> None:
         strategy.elastic({}, sampler=shown, batch_size=2)
     with pytest.raises(TypeError, match=r"Elastic\(sampler=...\) got a RandomSampler"):
         Elastic({}, sampler=torch.utils.data.RandomSampler(range(8)), batch_size=2)
+
+
+def test_a_sampler_already_in_a_job_is_refused_at_set_up() -> None:
+    # The job would keep the position of a sampler the loader no longer draws from.
+    strategy = BucketFabricDDP(elastic=True)
+    sampler = ElasticSampler(range(8), num_replicas=2, rank=0)
+    with pytest.warns(UserWarning, match="torchrun"):  # no snapshots outside torchrun
+        strategy.elastic({}, sampler=sampler, batch_size=2)
+    loader = DataLoader(range(8), batch_size=2, sampler=sampler)
+    with pytest.raises(RuntimeError, match=r"Set the loader up first, then call"):
+        strategy.process_dataloader(loader)

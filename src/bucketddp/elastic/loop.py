@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -77,6 +78,14 @@ def load_own_buffers(wrapper: BucketDataParallel, values: dict[str, Any]) -> Non
     for name, value in values.items():
         if name in buffers:
             buffers[name].data.copy_(value)
+
+
+_IN_JOBS: weakref.WeakSet[ElasticSampler] = weakref.WeakSet()
+
+
+def in_a_job(sampler: object) -> bool:
+    """Whether ``sampler`` was given to an ``Elastic`` job (which keeps its position)."""
+    return isinstance(sampler, ElasticSampler) and sampler in _IN_JOBS
 
 
 def draws_from(loader: object, sampler: object) -> bool:
@@ -159,6 +168,8 @@ class Elastic:
         else:
             warnings.warn(NOT_UNDER_TORCHRUN, stacklevel=2)
         self.sampler = sampler
+        if sampler is not None:
+            _IN_JOBS.add(sampler)
         self.batch_size = batch_size or 0
         self.steps = 0
         self.finished = False  # resumed from the end of a finished run: no step is left

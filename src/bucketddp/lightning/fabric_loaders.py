@@ -19,6 +19,7 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler
 
+from ..elastic.loop import in_a_job
 from ..elastic.sampler import ElasticSampler, EpochPosition, same_order
 
 
@@ -57,6 +58,13 @@ class FabricLoaders:
         if drawn is None:
             return dataloader
         shown = [drawn, getattr(dataloader, "sampler", None)]
+        if in_a_job(drawn):
+            raise RuntimeError(
+                "fabric.setup_dataloaders: the loader's ElasticSampler is already in "
+                "strategy.elastic(...)'s job, which would keep the position of a sampler the "
+                "set-up loader no longer draws from. Set the loader up first, then call "
+                "strategy.elastic(state, sampler=loader.sampler, ...)"
+            )
         if type(drawn) in (DistributedSampler, ElasticSampler):
             drawn = batch_sampler.sampler = CountingSampler(drawn)
         for sampler in shown:
