@@ -323,8 +323,10 @@ def _run_and_compare(
     return outputs
 
 
-def _agent(out: Path, port: int, host: bool, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    cmd = [*agent(port, host=host), str(SCRIPT), "nodes", str(out), "11"]
+def _agent(
+    out: Path, port: int, host: bool, env: dict[str, str], mode: str = "nodes"
+) -> subprocess.Popen[bytes]:
+    cmd = [*agent(port, host=host), str(SCRIPT), mode, str(out), "11"]
     return start(cmd, out / f"agent{'A' if host else 'B'}.log", env)
 
 
@@ -334,6 +336,20 @@ def test_a_lost_node_leaves_the_rest_training_on_every_row_once(tmp_path: Path, 
     assert (tmp_path / "done.rank0").read_text().split() == ["world", "1", "seen", "192"]
     assert RESIZED_WARNING not in log  # Lightning's own sampler: resumed at any size
     rows = rows_by_epoch(tmp_path)  # each step's rows once: up to the snapshot, then after
+    assert sorted(rows) == [0, 1, 2]
+    for epoch, count in rows.items():
+        assert count == Counter(range(64)), f"epoch {epoch}: rows lost or used twice"
+
+
+@pytest.mark.timeout(600)  # a hang guard: two torchrun agents of Fabric
+def test_a_lost_node_under_fabric_trains_every_row_once(tmp_path: Path, shm: Path) -> None:
+    # Fabric's own sampler, from a shuffled loader through setup_dataloaders: the strategy
+    # draws it through a CountingSampler, which splits the rest of the epoch over the
+    # ranks left.
+    log = _lose_a_node(tmp_path, shm, {}, mode="fabric_nodes")
+    assert (tmp_path / "done.rank0").read_text().split() == ["world", "1", "seen", "192"]
+    assert RESIZED_WARNING not in log
+    rows = rows_by_epoch(tmp_path)
     assert sorted(rows) == [0, 1, 2]
     for epoch, count in rows.items():
         assert count == Counter(range(64)), f"epoch {epoch}: rows lost or used twice"
@@ -352,13 +368,15 @@ def test_a_users_sampler_resumed_at_another_world_size_warns(tmp_path: Path, shm
     assert "(DistributedSamplerWrapper)" in log
 
 
-def _lose_a_node(tmp_path: Path, shm: Path, extra: dict[str, str]) -> str:
+def _lose_a_node(
+    tmp_path: Path, shm: Path, extra: dict[str, str], mode: str = "nodes"
+) -> str:
     """Two agents, one worker each; the victim's worker kills itself and its agent at step
     11. The survivor finishes at world size 1; its log is returned."""
     port = free_port()
     env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm), **extra}
-    survivor = _agent(tmp_path, port, host=True, env=env)  # hosts the rendezvous store
-    victim = _agent(tmp_path, port, host=False, env={**env, "ELASTIC_VICTIM": "1"})
+    survivor = _agent(tmp_path, port, host=True, env=env, mode=mode)  # hosts the store
+    victim = _agent(tmp_path, port, host=False, env={**env, "ELASTIC_VICTIM": "1"}, mode=mode)
     try:
         assert survivor.wait(timeout=240) == 0, (tmp_path / "agentA.log").read_text()[-4000:]
         assert victim.wait(timeout=30) == -signal.SIGKILL  # its worker killed it at step 11

@@ -31,6 +31,8 @@ end, its world size and ``"sum"`` buffer to ``OUT/done.rank<R>``. The agent's wo
 by ``ELASTIC_VICTIM=1`` kills itself and its agent when ``KILL`` steps are done; under
 ``ELASTIC_GROW_AT=N``, a worker alone in its round stops in step ``N + 1`` until a joining
 agent makes torchrun stop it (``wait_for_a_joiner``). ``ELASTIC_SAMPLER`` applies to it too.
+Mode ``fabric_nodes`` is ``nodes`` under Fabric, with a shuffled loader through
+``fab.setup_dataloaders`` and the rows counted over the ranks in the job's state.
 """
 
 from __future__ import annotations
@@ -275,11 +277,8 @@ class Counting(pl.LightningModule):
         return {"seen": "sum"}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        victim = os.environ.get("ELASTIC_VICTIM") == "1"
         step = self.trainer.global_step
-        if ATTEMPT == 0 and victim and step == self.kill:
-            os.kill(os.getppid(), signal.SIGKILL)  # this node's agent, then this worker
-            os.kill(os.getpid(), signal.SIGKILL)
+        _die_if_victim(step, self.kill)
         if self.trainer.world_size == 1 and step == int(os.environ.get("ELASTIC_GROW_AT", -1)):
             wait_for_a_joiner(self.out)
         index, x, y = batch
@@ -293,9 +292,21 @@ class Counting(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def train_dataloader(self) -> Any:
-        rows = dataset().tensors
-        indexed = torch.utils.data.TensorDataset(torch.arange(len(rows[0])), *rows)
-        return DataLoader(indexed, batch_size=BATCH, **_sampler())
+        return DataLoader(_indexed(), batch_size=BATCH, **_sampler())
+
+
+def _indexed() -> torch.utils.data.Dataset[Any]:
+    """The dataset with each row's index first."""
+    rows = dataset().tensors
+    return torch.utils.data.TensorDataset(torch.arange(len(rows[0])), *rows)
+
+
+def _die_if_victim(step: int, kill: int) -> None:
+    """In attempt 0, the worker of the agent under ``ELASTIC_VICTIM=1`` kills that agent and
+    itself once ``kill`` steps are done: a node lost."""
+    if ATTEMPT == 0 and os.environ.get("ELASTIC_VICTIM") == "1" and step == kill:
+        os.kill(os.getppid(), signal.SIGKILL)  # this node's agent, then this worker
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def wait_for_a_joiner(out: str) -> None:
@@ -329,6 +340,40 @@ def nodes(out: str, kill: int) -> None:
         print(f"world {fit.world_size} seen {int(model.seen)}", file=f)
 
 
+def fabric_nodes(out: str, kill: int) -> None:
+    """``nodes`` under Fabric: Fabric's own sampler, from a shuffled loader through
+    ``fab.setup_dataloaders``, and the loop's ``seen`` counter in the job's state."""
+    fab = Fabric(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=int(os.environ["WORLD_SIZE"]),
+        strategy=BucketFabricDDP(elastic=True),
+    )
+    fab.launch()
+    net = _net()
+    model, opt = fab.setup(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    loader = fab.setup_dataloaders(DataLoader(_indexed(), batch_size=BATCH, shuffle=True))
+    state = {"model": model, "optimizer": opt, "epoch": 0, "seen": 0}
+    job = fab.strategy.elastic(state, sampler=loader.sampler, batch_size=BATCH)
+    job.resume()
+    rank = fab.global_rank
+    while state["epoch"] < EPOCHS:
+        for index, x, y in loader:
+            _die_if_victim(job.steps, kill)
+            fab.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            state["seen"] += int(fab.all_reduce(torch.tensor(len(index)), reduce_op="sum"))
+            rows = " ".join(str(int(i)) for i in index)
+            with open(f"{out}/rows.rank{rank}.pid{os.getpid()}", "a") as log:
+                print(f"{job.steps} {state['epoch']} {rows}", file=log)
+            job.step()
+        state["epoch"] += 1
+    job.finish()
+    with open(f"{out}/done.rank{rank}", "w") as f:
+        print(f"world {fab.world_size} seen {state['seen']}", file=f)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     mode, out, kill = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -338,6 +383,8 @@ if __name__ == "__main__":
         checkpoint(out, kill)
     elif mode == "nodes":
         nodes(out, kill)
+    elif mode == "fabric_nodes":
+        fabric_nodes(out, kill)
     else:
         accumulate = 2 if mode == "accumulate" else 1
         trainer(out, kill, mode == "stateful", accumulate, validate=mode == "validate")
