@@ -163,6 +163,18 @@ def test_a_sampler_of_the_users_resumes_bit_equal(tmp_path: Path, shm: Path) -> 
     _killed_mid_epoch_is_bit_equal(tmp_path, shm, "reload", reload)
 
 
+@pytest.mark.timeout(900)  # a hang guard: eight torchrun jobs of Lightning
+def test_loaders_with_worker_processes_resume_bit_equal(tmp_path: Path, shm: Path) -> None:
+    """Loaders with 2 worker processes, which ask their sampler for the first batches'
+    indices as their iterator is made (before Lightning sets the epoch): Lightning's own
+    sampler (the Trainer, a stateful loader, the Fabric loop) and a ``WeightedRandomSampler``
+    in Lightning's wrapper (replayed), rank 1 SIGKILLed once 11 steps are done: bit-equal."""
+    workers = {"ELASTIC_WORKERS": "2"}
+    _killed_mid_epoch_is_bit_equal(tmp_path, shm, "lightnings", workers, fabric=True)
+    weighted = {**workers, "ELASTIC_SAMPLER": "weighted"}
+    _killed_mid_epoch_is_bit_equal(tmp_path, shm, "weighted", weighted)
+
+
 @pytest.mark.timeout(600)  # a hang guard: four torchrun jobs of Fabric
 def test_a_loader_set_up_by_fabric_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
     """The Fabric loop's loader through ``fabric.setup_dataloaders``, whose sampler's epoch

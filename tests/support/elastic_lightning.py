@@ -31,6 +31,7 @@ end, its world size and ``"sum"`` buffer to ``OUT/done.rank<R>``. The agent's wo
 by ``ELASTIC_VICTIM=1`` kills itself and its agent when ``KILL`` steps are done; under
 ``ELASTIC_GROW_AT=N``, a worker alone in its round stops in step ``N + 1`` until a joining
 agent makes torchrun stop it (``wait_for_a_joiner``). ``ELASTIC_SAMPLER`` applies to it too.
+``ELASTIC_WORKERS=N`` gives the training loaders ``N`` worker processes (none by default).
 Mode ``fabric_nodes`` is ``nodes`` under Fabric, with a shuffled loader through
 ``fab.setup_dataloaders`` and the rows counted over the ranks in the job's state.
 """
@@ -57,6 +58,7 @@ from bucketddp.notice import NOTICE
 from elastic_loop import BATCH, EPOCHS, after_fit, attempt_of_job, dataset, notice_due
 
 ATTEMPT = attempt_of_job()
+WORKERS = int(os.environ.get("ELASTIC_WORKERS", "0"))  # the loaders' worker processes
 
 
 def _net(dropout: float = 0.1) -> torch.nn.Module:
@@ -107,7 +109,7 @@ class Module(pl.LightningModule):
             from torchdata.stateful_dataloader import StatefulDataLoader
 
             loader = StatefulDataLoader
-        return loader(dataset(), batch_size=BATCH, **_sampler())
+        return loader(dataset(), batch_size=BATCH, num_workers=WORKERS, **_sampler())
 
 
 class _Subclass(torch.utils.data.DistributedSampler):
@@ -194,11 +196,14 @@ def fabric(out: str, kill: int) -> None:
     setup = os.environ.get("ELASTIC_FABRIC_LOADER")
     if setup == "fabric":  # Fabric's own sampler, from a shuffled loader: seed 0, as below
         # No generator of its own: each iterator's seed comes from the global generator.
-        loader = fab.setup_dataloaders(DataLoader(data, batch_size=BATCH, shuffle=True))
+        loader = DataLoader(data, batch_size=BATCH, shuffle=True, num_workers=WORKERS)
+        loader = fab.setup_dataloaders(loader)
         sampler = loader.sampler
     else:
         sampler = ElasticSampler(data, shuffle=True, seed=0)
-        loader = DataLoader(data, batch_size=BATCH, sampler=sampler, generator=torch.Generator())
+        loader = DataLoader(
+            data, BATCH, sampler=sampler, generator=torch.Generator(), num_workers=WORKERS
+        )
         if setup == "own":
             loader = fab.setup_dataloaders(loader)
     state = {"model": model, "optimizer": opt, "epoch": 0}
@@ -206,7 +211,7 @@ def fabric(out: str, kill: int) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         loader = StatefulDataLoader(
-            data, batch_size=BATCH, sampler=sampler, generator=torch.Generator()
+            data, BATCH, sampler=sampler, generator=torch.Generator(), num_workers=WORKERS
         )
         state["loader"] = loader
     job = fab.strategy.elastic(state, sampler=sampler, batch_size=BATCH)

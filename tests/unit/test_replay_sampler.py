@@ -73,3 +73,19 @@ def test_it_passes_the_samplers_length_and_attributes_through() -> None:
     wrapped = ReplaySampler(inner)
     assert len(wrapped) == 12
     assert wrapped.data_source is inner.data_source
+
+
+def test_resume_sets_the_resumed_epoch_on_a_sampler_that_takes_one() -> None:
+    # A loader with worker processes asks for indices as its iterator is made, before
+    # Lightning sets the epoch: the order must be the resumed epoch's already.
+    inner = torch.utils.data.DistributedSampler(range(12), num_replicas=1, rank=0, seed=3)
+    inner.set_epoch(2)
+    order = list(inner)
+    inner.set_epoch(0)
+    resumed = ReplaySampler(inner)
+    resumed.resume(5, None, lambda: None, epoch=2)
+    assert resumed.epoch == 2
+    assert list(resumed) == order[5:]
+    plain = ReplaySampler(_Eager())  # no set_epoch: nothing to set
+    plain.resume(1, None, lambda: None, epoch=2)
+    assert len(list(plain)) == 11

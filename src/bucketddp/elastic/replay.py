@@ -48,11 +48,25 @@ class ReplaySampler(Sampler[Any]):
             raise AttributeError(name)
         return getattr(self.sampler, name)
 
-    def resume(self, skip: int, started: dict[str, Any] | None, then: Callable[[], None]) -> None:
+    def resume(
+        self,
+        skip: int,
+        started: dict[str, Any] | None,
+        then: Callable[[], None],
+        epoch: int | None = None,
+    ) -> None:
         """Have the next iteration draw its order from the generators' state ``started``
         (None: as they are), skip ``skip`` indices, and call ``then`` as the first is
-        asked for."""
+        asked for.
+
+        ``epoch``: the epoch resumed, set on a sampler that takes ``set_epoch`` now, so
+        that an iterator made before the loop sets it (a loader with worker processes asks
+        for its first indices as it is made) draws that epoch's order.
+        """
         self._resume = (skip, started, then)
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if epoch is not None and callable(set_epoch):
+            set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         # All at the first index asked for, not at ``iter()``: a loader may make an

@@ -266,7 +266,7 @@ class TrainerElastic:
             )
             return
         started = (self._own or {}).get("rng_epoch")
-        replay.resume(entry["used"], started, self._restore_rng)
+        replay.resume(entry["used"], started, self._restore_rng, entry.get("epoch"))
         _quiet_lightnings_resume_warning()
 
     def before_training_step(self, wrapped: BucketDataParallel | None) -> None:
@@ -365,6 +365,7 @@ class TrainerElastic:
             }
             if self.replay is not None:
                 checkpoint[ENTRY]["world"] = trainer.world_size
+                checkpoint[ENTRY]["epoch"] = trainer.current_epoch
                 own["rng_epoch"] = self.replay.started
         checkpoint[HOOK_ENTRY], own["hooks"] = hook_parts(wrapped)
         return checkpoint, own
