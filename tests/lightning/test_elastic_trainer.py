@@ -175,6 +175,33 @@ def test_loaders_with_worker_processes_resume_bit_equal(tmp_path: Path, shm: Pat
     _killed_mid_epoch_is_bit_equal(tmp_path, shm, "weighted", weighted)
 
 
+@pytest.mark.timeout(600)  # a hang guard: six torchrun jobs of Lightning
+def test_a_loader_with_worker_processes_resumes_from_an_epochs_end_bit_equal(
+    tmp_path: Path, shm: Path
+) -> None:
+    """Rank 1 SIGKILLed in the first step of an epoch (after step 16), which starts whole
+    from the snapshot of the last one's end, in a Trainer fit whose loader has 2 workers:
+    with a ``WeightedRandomSampler`` (the resumed fit's first iterator, made before
+    Lightning sets the epoch, draws the epoch's order), and with persistent workers
+    (the fit that went on drew no new seed for that epoch), with Lightning's sampler and
+    the weighted one: bit-equal to the same fit uninterrupted."""
+    workers = {"ELASTIC_WORKERS": "2"}
+    persistent = {**workers, "ELASTIC_PERSISTENT": "1"}
+    families = {
+        "weighted": {**workers, "ELASTIC_SAMPLER": "weighted"},
+        "persistent": persistent,
+        "persistent_weighted": {**persistent, "ELASTIC_SAMPLER": "weighted"},
+    }
+    for family, env in families.items():
+        runs = {f"{family}/straight": ("trainer", "-1"), f"{family}/killed": ("trainer", "16")}
+        _run_and_compare(tmp_path, shm, runs, env=env)
+        out = tmp_path / family
+        assert "attempt 1" in (out / "killed" / "steps.rank1").read_text(), family
+        for rank in (0, 1):
+            assert len(done_twice(out / "killed", rank)) <= 1, (family, rank)
+        assert same_weights(out / "killed" / "final.pt", out / "straight" / "final.pt"), family
+
+
 @pytest.mark.timeout(600)  # a hang guard: four torchrun jobs of Fabric
 def test_a_loader_set_up_by_fabric_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
     """The Fabric loop's loader through ``fabric.setup_dataloaders``, whose sampler's epoch

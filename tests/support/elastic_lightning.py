@@ -31,7 +31,8 @@ end, its world size and ``"sum"`` buffer to ``OUT/done.rank<R>``. The agent's wo
 by ``ELASTIC_VICTIM=1`` kills itself and its agent when ``KILL`` steps are done; under
 ``ELASTIC_GROW_AT=N``, a worker alone in its round stops in step ``N + 1`` until a joining
 agent makes torchrun stop it (``wait_for_a_joiner``). ``ELASTIC_SAMPLER`` applies to it too.
-``ELASTIC_WORKERS=N`` gives the training loaders ``N`` worker processes (none by default).
+``ELASTIC_WORKERS=N`` gives the training loaders ``N`` worker processes (none by default),
+which the Trainer's loader keeps from epoch to epoch under ``ELASTIC_PERSISTENT=1``.
 Mode ``fabric_nodes`` is ``nodes`` under Fabric, with a shuffled loader through
 ``fab.setup_dataloaders`` and the rows counted over the ranks in the job's state.
 """
@@ -109,7 +110,14 @@ class Module(pl.LightningModule):
             from torchdata.stateful_dataloader import StatefulDataLoader
 
             loader = StatefulDataLoader
-        return loader(dataset(), batch_size=BATCH, num_workers=WORKERS, **_sampler())
+        persistent = os.environ.get("ELASTIC_PERSISTENT") == "1"
+        return loader(
+            dataset(),
+            batch_size=BATCH,
+            num_workers=WORKERS,
+            persistent_workers=persistent,
+            **_sampler(),
+        )
 
 
 class _Subclass(torch.utils.data.DistributedSampler):

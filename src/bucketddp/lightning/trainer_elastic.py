@@ -45,6 +45,7 @@ would save, made without its barrier (``internals.dump_checkpoint``).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import warnings
@@ -105,6 +106,10 @@ def _batches_done(sampler: ElasticSampler, batch_sampler: Any) -> int:
     return len(batch_sampler) - to_go
 
 
+def _nothing() -> None:
+    """Nothing to do."""
+
+
 def _fixed_batches(batch_sampler: Any) -> bool:
     """Whether ``batch_sampler`` is torch's (or torchdata's) ``BatchSampler``: batches of
     ``batch_size`` consecutive indices of its sampler, so that ``k`` batches used are
@@ -144,6 +149,10 @@ class TrainerElastic:
         self._after_validation = False  # the batch's snapshot waits for the validation run
         self._finished = False  # resumed at the end of a finished fit: no step is left
         self._resized = False  # resumed at another world size; the epoch's count to redo
+        # Resumed from an epoch's last batch: the generators there, for a loader with
+        # persistent workers, whose next epoch drew no seed in the fit that went on.
+        self._epoch_end_rng: dict[str, Any] | None = None
+        self._persistent = False  # the training loader keeps its worker processes
 
     def before_fit(self, strategy: Any, trainer: Any, user_ckpt_path: Any) -> None:
         """In the launcher: set up the group and agree on the snapshot to resume from."""
@@ -162,6 +171,7 @@ class TrainerElastic:
         need = room.estimate([module]) + 2 * room.estimate(module.parameters())
         self.restored = self.session.restore(need)
         self._finished = False
+        self._epoch_end_rng = None
         if self.restored is None:
             return
         self._finished = self.restored.finished
@@ -208,6 +218,7 @@ class TrainerElastic:
         if self._position is not None and self._position["epoch_end"]:
             # Taken on an epoch's last batch: the fit that went on made the next epoch's
             # loader iterator (which draws a seed) after it; so does this one, from here.
+            self._epoch_end_rng = (self._own or {}).get("rng")
             self._restore_own(None)
         return restored.state
 
@@ -233,6 +244,7 @@ class TrainerElastic:
         original = getattr(batch_sampler, "sampler", None)
         if self.session is None or not trainer.training or original is None:
             return dataloader
+        self._persistent = bool(getattr(dataloader, "persistent_workers", False))
         if type(original) is not DistributedSampler:
             if _fixed_batches(batch_sampler):
                 self.replay = batch_sampler.sampler = ReplaySampler(original)
@@ -248,15 +260,32 @@ class TrainerElastic:
             # seed, before the first batch's fetch, where the fit that stopped stood.
             self.sampler.before_first = self._restore_rng
             _quiet_lightnings_resume_warning()
+        elif (state := self._take_epoch_end_rng()) is not None:
+            # The next epoch's iterator: the fit that went on kept its workers and drew no
+            # seed; this process makes a new one, which does. The generators go back again.
+            self.sampler.before_first = functools.partial(rng.restore, state)
         return dataloader
+
+    def _take_epoch_end_rng(self) -> dict[str, Any] | None:
+        """Once: the generators at an epoch-end snapshot, if the training loader keeps its
+        worker processes (else None)."""
+        state, self._epoch_end_rng = self._epoch_end_rng, None
+        return state if self._persistent else None
 
     def _resume_replay(self) -> None:
         """Mid-epoch, at the same world size: the replay sampler's next epoch goes on where
         the snapshot's stood."""
         entry, replay = self._position, self.replay
-        if entry is None or replay is None or entry["epoch_end"] or "world" not in entry:
+        if entry is None or replay is None or "world" not in entry:
             return
         del entry["world"]  # once: a loader made again for a later epoch starts it whole
+        if entry["epoch_end"]:
+            # The next epoch starts whole, at its own number from its first iterator; with
+            # persistent workers, from the generators at the snapshot (see process_dataloader).
+            started = self._take_epoch_end_rng()
+            epoch = entry.get("epoch")
+            replay.resume(0, started, _nothing, None if epoch is None else epoch + 1)
+            return
         if self._resized:
             rank_zero_warn(
                 f"bucketddp: the training sampler ({type(replay.sampler).__name__}) cannot "
