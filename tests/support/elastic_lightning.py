@@ -33,6 +33,7 @@ by ``ELASTIC_VICTIM=1`` kills itself and its agent when ``KILL`` steps are done;
 agent makes torchrun stop it (``wait_for_a_joiner``). ``ELASTIC_SAMPLER`` applies to it too.
 ``ELASTIC_WORKERS=N`` gives the training loaders ``N`` worker processes (none by default),
 which the Trainer's loader keeps from epoch to epoch under ``ELASTIC_PERSISTENT=1``.
+Under ``ELASTIC_LOADERS=2`` the Trainer trains on two loaders (batches of 4 and of 2).
 Mode ``fabric_nodes`` is ``nodes`` under Fabric, with a shuffled loader through
 ``fab.setup_dataloaders`` and the rows counted over the ranks in the job's state.
 """
@@ -98,6 +99,8 @@ class Module(pl.LightningModule):
         # Accumulating, the kill comes in the batch that completes the step.
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
             _kill_if_due(self.global_rank, self.trainer.global_step, self.kill)
+        if isinstance(batch, dict):  # two loaders: a batch of each
+            batch = [torch.cat(parts) for parts in zip(*batch.values(), strict=True)]
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -110,6 +113,8 @@ class Module(pl.LightningModule):
             from torchdata.stateful_dataloader import StatefulDataLoader
 
             loader = StatefulDataLoader
+        if os.environ.get("ELASTIC_LOADERS") == "2":
+            return {"a": loader(dataset(), batch_size=BATCH), "b": loader(dataset(), batch_size=2)}
         persistent = os.environ.get("ELASTIC_PERSISTENT") == "1"
         return loader(
             dataset(),

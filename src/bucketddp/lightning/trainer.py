@@ -403,7 +403,10 @@ class BucketDDP(TrainerStrategyHooks, DDPStrategy):
         saved, self._saved_loaders = self._saved_loaders, SavedLoaders()
         assert self.lightning_module is not None
         fit_loop = self.lightning_module.trainer.fit_loop
-        if realign_sampler_epoch(fit_loop, saved, *loader_and_fetcher(fit_loop)):
+        combined, fetcher = loader_and_fetcher(fit_loop)
+        if self._elastic is not None:
+            self._elastic.check_loaders(combined)
+        if realign_sampler_epoch(fit_loop, saved, combined, fetcher):
             rank_zero_debug(
                 "BucketDDP: the training samplers were at another epoch than the resumed "
                 "one; set it, and made the loader's iterator again"

@@ -106,6 +106,14 @@ def _batches_done(sampler: ElasticSampler, batch_sampler: Any) -> int:
     return len(batch_sampler) - to_go
 
 
+MANY_LOADERS = (
+    "bucketddp: elastic=True resumes an epoch where it stopped for one training loader, and "
+    "this fit has {n}: after a restart mid-epoch, the rest of that epoch may use some rows "
+    "twice and others not at all (the state is the snapshot's, and the epochs after it are "
+    "whole). For an exact resume, train on one loader (combine the datasets into one)."
+)
+
+
 def _nothing() -> None:
     """Nothing to do."""
 
@@ -265,6 +273,14 @@ class TrainerElastic:
             # seed; this process makes a new one, which does. The generators go back again.
             self.sampler.before_first = functools.partial(rng.restore, state)
         return dataloader
+
+    def check_loaders(self, combined: Any) -> None:
+        """At the fit's start: warn that a mid-epoch resume keeps the position of one
+        training loader only, if ``combined`` (the fit loop's) holds more."""
+        loaders = getattr(combined, "flattened", None)
+        if self.session is None or loaders is None or len(loaders) < 2:
+            return
+        rank_zero_warn(MANY_LOADERS.format(n=len(loaders)), category=PossibleUserWarning)
 
     def _take_epoch_end_rng(self) -> dict[str, Any] | None:
         """Once: the generators at an epoch-end snapshot, if the training loader keeps its
