@@ -290,7 +290,7 @@ class TrainerElastic:
 
     def _resume_replay(self) -> None:
         """Mid-epoch, at the same world size: the replay sampler's next epoch goes on where
-        the snapshot's stood."""
+        the snapshot's stood. From an epoch's end: the next epoch starts whole."""
         entry, replay = self._position, self.replay
         if entry is None or replay is None or "world" not in entry:
             return
