@@ -192,6 +192,26 @@ def test_a_loader_with_worker_processes_resumes_from_an_epochs_end_bit_equal(
         "persistent": persistent,
         "persistent_weighted": {**persistent, "ELASTIC_SAMPLER": "weighted"},
     }
+    _killed_at_an_epochs_end_is_bit_equal(tmp_path, shm, families)
+
+
+@pytest.mark.compat("elastic")  # CI runs it with Lightning 2.4 and 2.5 too (compat --pinned)
+@pytest.mark.timeout(600)  # a hang guard: four torchrun jobs of Lightning
+def test_a_resume_from_an_epochs_end_is_bit_equal(tmp_path: Path, shm: Path) -> None:
+    """Rank 1 SIGKILLed in the first step of an epoch (after step 16), with Lightning's
+    sampler and with a ``WeightedRandomSampler`` (replayed): bit-equal to the same fit
+    uninterrupted, on every Lightning in the window. Before 2.5, Lightning finishes the
+    snapshot's epoch again with an iterator made for it, whose seed must not count and
+    which must yield nothing; from 2.5 on, the next epoch runs on that iterator."""
+    families = {"lightnings": {}, "weighted": {"ELASTIC_SAMPLER": "weighted"}}
+    _killed_at_an_epochs_end_is_bit_equal(tmp_path, shm, families)
+
+
+def _killed_at_an_epochs_end_is_bit_equal(
+    tmp_path: Path, shm: Path, families: dict[str, dict[str, str]]
+) -> None:
+    """Under each family's env, the Trainer fit with rank 1 SIGKILLed after step 16 (an
+    epoch's last): bit-equal to the fit uninterrupted, with at most one step done twice."""
     for family, env in families.items():
         runs = {f"{family}/straight": ("trainer", "-1"), f"{family}/killed": ("trainer", "16")}
         _run_and_compare(tmp_path, shm, runs, env=env)

@@ -89,3 +89,20 @@ def test_resume_sets_the_resumed_epoch_on_a_sampler_that_takes_one() -> None:
     plain = ReplaySampler(_Eager())  # no set_epoch: nothing to set
     plain.resume(1, None, lambda: None, epoch=2)
     assert len(list(plain)) == 11
+
+
+def test_an_epoch_resumed_at_its_end_yields_nothing_while_it_is_set() -> None:
+    # Lightning 2.4 finishes the snapshot's epoch again, setting it on the sampler, with an
+    # iterator of its own: that epoch has nothing left; the next one is whole.
+    inner = torch.utils.data.DistributedSampler(range(12), num_replicas=1, rank=0, seed=3)
+    inner.set_epoch(2)
+    order = list(inner)
+    resumed = ReplaySampler(inner)
+    resumed.resume(0, None, lambda: None, epoch=2, ended=1)
+    resumed.set_epoch(1)
+    assert list(resumed) == []
+    resumed.set_epoch(2)
+    assert list(resumed) == order
+    plain = ReplaySampler(_Eager())  # no epoch to tell by: the next iteration is whole
+    plain.resume(0, None, lambda: None, epoch=2, ended=1)
+    assert len(list(plain)) == 12

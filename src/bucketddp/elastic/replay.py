@@ -36,6 +36,7 @@ class ReplaySampler(Sampler[Any]):
         self.started: dict[str, Any] | None = None
         """The generators' state as this epoch's order was drawn."""
         self._resume: tuple[int, dict[str, Any] | None, Callable[[], None]] | None = None
+        self._ended: int | None = None  # an epoch resumed at its end: nothing left in it
 
     def __len__(self) -> int:
         if not isinstance(self.sampler, Sized):
@@ -54,6 +55,7 @@ class ReplaySampler(Sampler[Any]):
         started: dict[str, Any] | None,
         then: Callable[[], None],
         epoch: int | None = None,
+        ended: int | None = None,
     ) -> None:
         """Have the next iteration draw its order from the generators' state ``started``
         (None: as they are), skip ``skip`` indices, and call ``then`` as the first is
@@ -62,17 +64,26 @@ class ReplaySampler(Sampler[Any]):
         ``epoch``: the epoch resumed, set on a sampler that takes ``set_epoch`` now, so
         that an iterator made before the loop sets it (a loader with worker processes asks
         for its first indices as it is made) draws that epoch's order.
+
+        ``ended``: the epoch before it, which the snapshot ended: on a sampler that keeps
+        its ``epoch``, an iteration while it is set to that one yields nothing (Lightning
+        before 2.5 finishes such an epoch again, and takes whatever its iterator yields as
+        the epoch's rest).
         """
         self._resume = (skip, started, then)
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if epoch is not None and callable(set_epoch):
             set_epoch(epoch)
+        keeps_epoch = callable(set_epoch) and hasattr(self.sampler, "epoch")
+        self._ended = ended if keeps_epoch else None
 
     def __iter__(self) -> Iterator[Any]:
         # All at the first index asked for, not at ``iter()``: a loader may make an
         # iterator it never uses (torchdata's StatefulDataLoader makes its sampler's at
         # once, and Lightning makes one before the epoch's), and may draw its own seed
         # between making one and asking it (torch's DataLoader).
+        if self._ended is not None and getattr(self.sampler, "epoch", None) == self._ended:
+            return
         resume, self._resume = self._resume, None
         if resume is None:
             self.started = rng.capture()

@@ -161,6 +161,9 @@ class TrainerElastic:
         # persistent workers, whose next epoch drew no seed in the fit that went on.
         self._epoch_end_rng: dict[str, Any] | None = None
         self._persistent = False  # the training loader keeps its worker processes
+        # Resumed from an epoch's last batch: that epoch and the generators there, until the
+        # training starts (``train_started``).
+        self._epoch_end: tuple[int, dict[str, Any]] | None = None
 
     def before_fit(self, strategy: Any, trainer: Any, user_ckpt_path: Any) -> None:
         """In the launcher: set up the group and agree on the snapshot to resume from."""
@@ -179,7 +182,7 @@ class TrainerElastic:
         need = room.estimate([module]) + 2 * room.estimate(module.parameters())
         self.restored = self.session.restore(need)
         self._finished = False
-        self._epoch_end_rng = None
+        self._epoch_end_rng = self._epoch_end = None
         if self.restored is None:
             return
         self._finished = self.restored.finished
@@ -227,6 +230,8 @@ class TrainerElastic:
             # Taken on an epoch's last batch: the fit that went on made the next epoch's
             # loader iterator (which draws a seed) after it; so does this one, from here.
             self._epoch_end_rng = (self._own or {}).get("rng")
+            if self._epoch_end_rng is not None and self._position.get("epoch") is not None:
+                self._epoch_end = self._position["epoch"], self._epoch_end_rng
             self._restore_own(None)
         return restored.state
 
@@ -274,6 +279,19 @@ class TrainerElastic:
             self.sampler.before_first = functools.partial(rng.restore, state)
         return dataloader
 
+    def train_started(self, trainer: Any) -> None:
+        """At ``on_train_start``: listen for the stop signals; and, resumed from an epoch's
+        last batch by a loop that finishes that epoch again (Lightning before 2.5) with the
+        iterator ``setup_data`` made, put the generators back where the snapshot took them,
+        for the next epoch's iterator, which the loop makes afresh (as the fit that went on
+        did)."""
+        self.listen(trainer)
+        epoch_end, self._epoch_end = self._epoch_end, None
+        if epoch_end is not None:
+            epoch, state = epoch_end
+            if trainer.fit_loop.epoch_progress.current.processed == epoch:
+                rng.restore(state)
+
     def check_loaders(self, combined: Any) -> None:
         """At the fit's start: warn that a mid-epoch resume keeps the position of one
         training loader only, if ``combined`` (the fit loop's) holds more."""
@@ -300,7 +318,8 @@ class TrainerElastic:
             # persistent workers, from the generators at the snapshot (see process_dataloader).
             started = self._take_epoch_end_rng()
             epoch = entry.get("epoch")
-            replay.resume(0, started, _nothing, None if epoch is None else epoch + 1)
+            after = None if epoch is None else epoch + 1
+            replay.resume(0, started, _nothing, after, ended=epoch)
             return
         if self._resized:
             rank_zero_warn(
@@ -407,10 +426,10 @@ class TrainerElastic:
                 "position": None if self.sampler is None else self.sampler.position(used),
                 "used": used,
                 "epoch_end": progress >= trainer.num_training_batches,
+                "epoch": trainer.current_epoch,
             }
             if self.replay is not None:
                 checkpoint[ENTRY]["world"] = trainer.world_size
-                checkpoint[ENTRY]["epoch"] = trainer.current_epoch
                 own["rng_epoch"] = self.replay.started
         checkpoint[HOOK_ENTRY], own["hooks"] = hook_parts(wrapped)
         return checkpoint, own
@@ -452,8 +471,9 @@ class _Snapshots(Callback):
         self.elastic = elastic
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """The stop signals are ours (again, should Lightning have registered its own)."""
-        self.elastic.listen(trainer)
+        """The stop signals are ours (again, should Lightning have registered its own);
+        an epoch-end resume's generators (``TrainerElastic.train_started``)."""
+        self.elastic.train_started(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         """Snapshot after an optimizer step, when one is due (or after the validation run
