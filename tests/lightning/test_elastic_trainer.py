@@ -15,16 +15,6 @@
 - Validating every 4 steps, rank 1 SIGKILLed in the validation run after step 12: step 12
   is done again, with its validation, and the weights are bit-equal; SIGTERM to rank 1 in
   step 12: every rank stops after that validation run, and nothing is done twice.
-- A sampler of the user's (a ``DistributedSampler`` subclass; a ``WeightedRandomSampler``
-  drawing from the global generator), plain and stateful loaders, rank 1 SIGKILLed
-  mid-epoch: bit-equal to the same fit uninterrupted.
-- A random augmentation drawn in the dataset's ``__getitem__`` (a plain DataLoader and a
-  StatefulDataLoader, in the main process; and the Fabric loop), rank 1 SIGKILLed
-  mid-epoch: bit-equal to the same run uninterrupted (under the Trainer the generators go
-  back before the resumed epoch's first fetch).
-- The Fabric loop's loader through ``fabric.setup_dataloaders`` (Fabric's sampler, and the
-  loop's ``ElasticSampler``), and the loop's sampler in a StatefulDataLoader in the state,
-  rank 1 SIGKILLed mid-epoch: bit-equal to the same run uninterrupted.
 - With PowerSGD, rank 1 SIGKILLed after 13 steps of the Trainer fit and the Fabric loop:
   bit-equal to the same run uninterrupted (the hook's state is in the snapshots).
 - With PowerSGD, a Trainer checkpoint saved after step 16 and resumed by a new fit with
@@ -49,6 +39,9 @@
   ``default_root_dir``, rank 0 requeues the job (once); the requeued run
   (``SLURM_RESTART_COUNT=1``) resumes from it: steps 15 to 24, bit-equal.
 - Without torchrun, ``elastic=True`` says it takes no snapshots.
+
+The loaders' own cases (samplers of the user's, worker processes, augmentations, epoch
+ends, Fabric's loaders) are in test_elastic_loaders.py.
 """
 
 from __future__ import annotations
@@ -77,14 +70,13 @@ from elastic_runs import (
     standalone,
     start,
 )
-from lightning_runs import SUPPORT, torchrun
+from elastic_trainer_runs import SCRIPT, lightning_before, run_and_compare
+from lightning_runs import torchrun
 from multirank import free_port
 
 pytestmark = pytest.mark.jobs  # torchrun jobs, killed and restarted
 
 pytest.importorskip("lightning")
-
-SCRIPT = SUPPORT / "elastic_lightning.py"
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +86,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     top = tmp_path_factory.mktemp("straight")
     snapshots = Path("/dev/shm") / f"bucketddp-test-{uuid.uuid4().hex[:8]}"
     try:
-        _run_and_compare(top, snapshots, {"trainer": ("trainer", "-1"), "fabric": ("fabric", "-1")})
+        run_and_compare(top, snapshots, {"trainer": ("trainer", "-1"), "fabric": ("fabric", "-1")})
         yield top
     finally:
         shutil.rmtree(snapshots, ignore_errors=True)
@@ -109,7 +101,7 @@ def test_a_killed_rank_costs_at_most_one_step(tmp_path: Path, shm: Path, straigh
         "fabric/epoch_end": ("fabric", "16"),
         "fabric/mid_epoch": ("fabric", "11"),
     }
-    _run_and_compare(tmp_path, shm, runs, straight)
+    run_and_compare(tmp_path, shm, runs, straight)
 
 
 @pytest.mark.timeout(900)  # a hang guard: several torchrun jobs of Lightning
@@ -119,7 +111,7 @@ def test_a_stop_signal_costs_no_step(tmp_path: Path, shm: Path, straight: Path) 
         "trainer/sigterm0": ("trainer", "13"),
         "fabric/sigterm1": ("fabric", "13"),
     }
-    _run_and_compare(tmp_path, shm, runs, straight)
+    run_and_compare(tmp_path, shm, runs, straight)
 
 
 @pytest.mark.timeout(900)  # a hang guard: several torchrun jobs of Lightning
@@ -132,7 +124,7 @@ def test_a_comm_hooks_state_survives_a_kill(tmp_path: Path, shm: Path) -> None:
         "fabric/straight": ("fabric", "-1"),
         "fabric/killed": ("fabric", "13"),
     }
-    _run_and_compare(tmp_path, shm, runs, env={"ELASTIC_POWERSGD": "1"})
+    run_and_compare(tmp_path, shm, runs, env={"ELASTIC_POWERSGD": "1"})
     for family in ("trainer", "fabric"):
         out = tmp_path / family / "killed"
         assert "attempt 1" in (out / "steps.rank1").read_text(), f"{family} did not restart"
@@ -142,174 +134,46 @@ def test_a_comm_hooks_state_survives_a_kill(tmp_path: Path, shm: Path) -> None:
         assert same_weights(out / "final.pt", reference), family
 
 
-@pytest.mark.timeout(600)  # a hang guard: five torchrun jobs of Lightning
-def test_an_augmentation_drawn_by_the_loader_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
-    """Noise drawn from the global generators in ``__getitem__``, rank 1 SIGKILLed once 11
-    steps are done (mid-epoch): the resumed epoch fetches its first batch from the
-    snapshot's generators, as the uninterrupted fit did, and the weights are bit-equal."""
-    _killed_mid_epoch_is_bit_equal(tmp_path, shm, "augment", {"ELASTIC_AUGMENT": "1"}, fabric=True)
-
-
-@pytest.mark.timeout(900)  # a hang guard: nine torchrun jobs of Lightning
-def test_a_sampler_of_the_users_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
-    """A ``DistributedSampler`` subclass (``use_distributed_sampler=False``) and a
-    ``WeightedRandomSampler`` drawing from the global generator (in Lightning's wrapper),
-    under a plain and a stateful loader, rank 1 SIGKILLed mid-epoch: the resumed epoch
-    draws the same order and skips what was used, and the weights are bit-equal; with the
-    loader made again every epoch, the next epoch starts whole."""
-    for kind in ("subclass", "weighted"):
-        _killed_mid_epoch_is_bit_equal(tmp_path, shm, kind, {"ELASTIC_SAMPLER": kind})
-    reload = {"ELASTIC_SAMPLER": "subclass", "ELASTIC_RELOAD": "1"}
-    _killed_mid_epoch_is_bit_equal(tmp_path, shm, "reload", reload)
-
-
-@pytest.mark.timeout(900)  # a hang guard: eight torchrun jobs of Lightning
-def test_loaders_with_worker_processes_resume_bit_equal(tmp_path: Path, shm: Path) -> None:
-    """Loaders with 2 worker processes, which ask their sampler for the first batches'
-    indices as their iterator is made (before Lightning sets the epoch): Lightning's own
-    sampler (the Trainer, a stateful loader, the Fabric loop) and a ``WeightedRandomSampler``
-    in Lightning's wrapper (replayed), rank 1 SIGKILLed once 11 steps are done: bit-equal."""
-    workers = {"ELASTIC_WORKERS": "2"}
-    _killed_mid_epoch_is_bit_equal(tmp_path, shm, "lightnings", workers, fabric=True)
-    weighted = {**workers, "ELASTIC_SAMPLER": "weighted"}
-    _killed_mid_epoch_is_bit_equal(tmp_path, shm, "weighted", weighted)
-
-
-@pytest.mark.timeout(600)  # a hang guard: six torchrun jobs of Lightning
-def test_a_loader_with_worker_processes_resumes_from_an_epochs_end_bit_equal(
-    tmp_path: Path, shm: Path
-) -> None:
-    """Rank 1 SIGKILLed in the first step of an epoch (after step 16), which starts whole
-    from the snapshot of the last one's end, in a Trainer fit whose loader has 2 workers:
-    with a ``WeightedRandomSampler`` (the resumed fit's first iterator, made before
-    Lightning sets the epoch, draws the epoch's order), and with persistent workers
-    (the fit that went on drew no new seed for that epoch), with Lightning's sampler and
-    the weighted one: bit-equal to the same fit uninterrupted."""
-    workers = {"ELASTIC_WORKERS": "2"}
-    persistent = {**workers, "ELASTIC_PERSISTENT": "1"}
-    families = {
-        "weighted": {**workers, "ELASTIC_SAMPLER": "weighted"},
-        "persistent": persistent,
-        "persistent_weighted": {**persistent, "ELASTIC_SAMPLER": "weighted"},
-    }
-    _killed_at_an_epochs_end_is_bit_equal(tmp_path, shm, families)
-
-
-@pytest.mark.compat("elastic")  # CI runs it with Lightning 2.4 and 2.5 too (compat --pinned)
-@pytest.mark.timeout(600)  # a hang guard: four torchrun jobs of Lightning
-def test_a_resume_from_an_epochs_end_is_bit_equal(tmp_path: Path, shm: Path) -> None:
-    """Rank 1 SIGKILLed in the first step of an epoch (after step 16), with Lightning's
-    sampler and with a ``WeightedRandomSampler`` (replayed): bit-equal to the same fit
-    uninterrupted, on every Lightning in the window. Before 2.5, Lightning finishes the
-    snapshot's epoch again with an iterator made for it, whose seed must not count and
-    which must yield nothing; from 2.5 on, the next epoch runs on that iterator."""
-    families = {"lightnings": {}, "weighted": {"ELASTIC_SAMPLER": "weighted"}}
-    _killed_at_an_epochs_end_is_bit_equal(tmp_path, shm, families)
-
-
-def _killed_at_an_epochs_end_is_bit_equal(
-    tmp_path: Path, shm: Path, families: dict[str, dict[str, str]]
-) -> None:
-    """Under each family's env, the Trainer fit with rank 1 SIGKILLed after step 16 (an
-    epoch's last): bit-equal to the fit uninterrupted, with at most one step done twice."""
-    for family, env in families.items():
-        runs = {f"{family}/straight": ("trainer", "-1"), f"{family}/killed": ("trainer", "16")}
-        _run_and_compare(tmp_path, shm, runs, env=env)
-        out = tmp_path / family
-        assert "attempt 1" in (out / "killed" / "steps.rank1").read_text(), family
-        for rank in (0, 1):
-            assert len(done_twice(out / "killed", rank)) <= 1, (family, rank)
-        assert same_weights(out / "killed" / "final.pt", out / "straight" / "final.pt"), family
-
-
-@pytest.mark.timeout(300)  # a hang guard: one torchrun job of Lightning
-def test_two_training_loaders_are_warned_about(tmp_path: Path, shm: Path) -> None:
-    # Only one loader's position is kept: a mid-epoch resume is not exact with two (a kill
-    # at step 11 was seen to end with other weights), so the fit says so as it starts.
-    outputs = _run_and_compare(
-        tmp_path, shm, {"loaders/straight": ("trainer", "-1")}, env={"ELASTIC_LOADERS": "2"}
-    )
-    output = outputs["loaders/straight"]
-    assert output.count("resumes an epoch where it stopped for one training loader") == 1
-    assert "this fit has 2" in output
-
-
-@pytest.mark.timeout(600)  # a hang guard: four torchrun jobs of Fabric
-def test_a_loader_set_up_by_fabric_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
-    """The Fabric loop's loader through ``fabric.setup_dataloaders``, whose sampler's epoch
-    Fabric sets to its count of iterations (0 again after a restart), with Fabric's sampler
-    and with the loop's ``ElasticSampler``; and that sampler in a StatefulDataLoader in the
-    loop's state (whose own fast-forward is left out): rank 1 SIGKILLed once 11 steps are
-    done, the resumed epoch goes on in its own order, and the weights are bit-equal."""
-    for setup in ("fabric", "own", "stateful"):
-        runs = {f"{setup}/straight": ("fabric", "-1"), f"{setup}/killed": ("fabric", "11")}
-        _run_and_compare(tmp_path, shm, runs, env={"ELASTIC_FABRIC_LOADER": setup})
-        out = tmp_path / setup
-        assert "attempt 1" in (out / "killed" / "steps.rank1").read_text(), setup
-        for rank in (0, 1):
-            assert len(done_twice(out / "killed", rank)) <= 1, (setup, rank)
-        assert same_weights(out / "killed" / "final.pt", out / "straight" / "final.pt"), setup
-
-
-def _killed_mid_epoch_is_bit_equal(
-    tmp_path: Path, shm: Path, family: str, env: dict[str, str], *, fabric: bool = False
-) -> None:
-    """Under ``env``, the Trainer fit with a plain and a stateful loader (and the Fabric
-    loop), rank 1 SIGKILLed once 11 steps are done, each bit-equal to its run uninterrupted,
-    with at most one step done twice."""
-    straight = {"trainer": "straight", "stateful": "straight"}
-    runs = {f"{family}/straight": ("trainer", "-1")}
-    runs |= {f"{family}/{mode}": (mode, "11") for mode in straight}
-    if fabric:
-        straight["fabric"] = "fabric_straight"
-        runs |= {
-            f"{family}/fabric_straight": ("fabric", "-1"),
-            f"{family}/fabric": ("fabric", "11"),
-        }
-    _run_and_compare(tmp_path, shm, runs, env=env)
-    out = tmp_path / family
-    for name, reference in straight.items():
-        assert "attempt 1" in (out / name / "steps.rank1").read_text(), f"{name} did not restart"
-        for rank in (0, 1):
-            assert len(done_twice(out / name, rank)) <= 1, (family, name, rank)
-        assert same_weights(out / name / "final.pt", out / reference / "final.pt"), (family, name)
-
-
 @pytest.mark.timeout(600)  # a hang guard: two torchrun jobs of Lightning
 def test_a_rank_killed_while_accumulating_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
     """``accumulate_grad_batches=2``: rank 1 SIGKILLed in the second batch of the first
     step, after the first batch's backward, whose gradients no snapshot holds: the restart
     starts that step over, and the weights are bit-equal to the fit uninterrupted."""
     runs = {"accumulate/straight": ("accumulate", "-1"), "accumulate/killed": ("accumulate", "0")}
-    _run_and_compare(tmp_path, shm, runs)
+    run_and_compare(tmp_path, shm, runs)
     out = tmp_path / "accumulate"
     assert "attempt 1" in (out / "killed" / "steps.rank1").read_text(), "it did not restart"
     assert same_weights(out / "killed" / "final.pt", out / "straight" / "final.pt")
 
 
-@pytest.mark.timeout(600)  # a hang guard: two torchrun jobs of Lightning
+@pytest.mark.compat("elastic")  # CI runs it with Lightning 2.4 and 2.5 too (compat --pinned)
+@pytest.mark.timeout(600)  # a hang guard: three torchrun jobs of Lightning
 def test_a_rank_killed_in_a_validation_run_resumes_bit_equal(tmp_path: Path, shm: Path) -> None:
     """Validation every 4 steps, mid-epoch; rank 1 SIGKILLed in the run after step 12. That
     run draws from the random generators (its DataLoader's seed) and a resumed fit does not
     run it again, so step 12's snapshot waits for its end: the restart goes back to step
     11's, does step 12 and its validation again, and ends bit-equal. A SIGTERM to rank 1 in
-    step 12 stops every rank after that validation run: each run and step is done once."""
+    step 12 stops every rank after that validation run: each run and step is done once
+    (Lightning 2.4 runs that validation again). On Lightning 2.4 the resumed epoch counts
+    the snapshot's batch done (``complete_saved_batch``), or the next run comes a batch late."""
     runs = {
         "validate/straight": ("validate", "-1"),
         "validate/killed": ("validate", "12"),
         "validate/sigterm1": ("validate", "11"),
     }
-    outputs = _run_and_compare(tmp_path, shm, runs)
+    outputs = run_and_compare(tmp_path, shm, runs)
     out = tmp_path / "validate"
     for name in ("killed", "sigterm1"):
         assert same_weights(out / name / "final.pt", out / "straight" / "final.pt"), name
     for rank in (0, 1):
         assert done_twice(out / "killed", rank) == [12], (rank, done_twice(out / "killed", rank))
-        # SIGTERM in step 12: the ranks stop after the validation run that follows it.
+        # SIGTERM in step 12: the ranks stop after the validation run that follows it
+        # (which Lightning 2.4 runs again as it resumes from there: docs/elastic.md).
         runs_by_attempt = (out / "sigterm1" / f"val.rank{rank}").read_text().splitlines()
+        again = (12,) if lightning_before(2, 5) else ()
         assert runs_by_attempt == [
             *(f"val {s} attempt 0" for s in (4, 8, 12)),
-            *(f"val {s} attempt 1" for s in (16, 20, 24)),
+            *(f"val {s} attempt 1" for s in (*again, 16, 20, 24)),
         ], (rank, runs_by_attempt)
     assert_stopped_together(out / "sigterm1", outputs["validate/sigterm1"], stop=12)
 
@@ -347,51 +211,6 @@ def test_a_rank_killed_after_fit_returned_trains_nothing_again(
         assert same_weights(out / "final.pt", straight / family / "final.pt"), family
     resumed = "resuming from this job's snapshot (the end of the fit at step 24, attempt 0"
     assert resumed in outputs["trainer"], outputs["trainer"][-3000:]
-
-
-def _run_and_compare(
-    tmp_path: Path,
-    shm: Path,
-    runs: dict[str, tuple[str, str]],
-    straight: Path | None = None,
-    env: dict[str, str] | None = None,
-) -> dict[str, str]:
-    """Run ``runs`` (name: mode, step), 3 at a time (``env`` added to each), and compare
-    each with the uninterrupted run of its family in ``straight`` (with none given: only
-    run them). Returns each run's output."""
-    outputs: dict[str, str] = {}
-
-    def run(name: str) -> None:
-        out = tmp_path / name
-        out.mkdir(parents=True)
-        mode, kill = runs[name]
-        job = {"BUCKETDDP_SNAPSHOT_DIR": str(shm / name.replace("/", "-")), **(env or {})}
-        if "sigterm" in name:
-            job.update(ELASTIC_SIGNAL="TERM", ELASTIC_SIGNAL_RANK=name[-1])
-        outputs[name] = torchrun(SCRIPT, mode, str(out), kill, env=job)
-
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        list(pool.map(run, runs))
-    left = sorted(str(p.relative_to(shm)) for p in shm.glob("**/*") if p.is_file())
-    named = {n: o[-3000:] for n, o in outputs.items() if n.replace("/", "-") in str(left)}
-    assert not left, ("snapshots left after a clean finish", left, named)
-    for name, output in outputs.items():  # ranks that remove them on their way out race
-        assert "could not remove" not in output, (name, output[-3000:])
-    if straight is None:
-        return outputs
-    for name in runs:
-        out, family = tmp_path / name, name.split("/")[0]
-        reference = straight / ("fabric" if family == "fabric" else "trainer")
-        assert same_weights(out / "final.pt", reference / "final.pt"), name
-        for rank in (0, 1):
-            assert len(done_twice(out, rank)) <= 1, (name, rank, done_twice(out, rank))
-        written = sorted(p.name for p in out.iterdir())
-        assert written == ["final.pt", "steps.rank0", "steps.rank1"], (name, written)
-        if "sigterm" in name:
-            assert_stopped_together(out, outputs[name], stop=14)
-        else:
-            assert "attempt 1" in (out / "steps.rank1").read_text(), f"{name} did not restart"
-    return outputs
 
 
 def _agent(
@@ -439,9 +258,7 @@ def test_a_users_sampler_resumed_at_another_world_size_warns(tmp_path: Path, shm
     assert "(DistributedSamplerWrapper)" in log
 
 
-def _lose_a_node(
-    tmp_path: Path, shm: Path, extra: dict[str, str], mode: str = "nodes"
-) -> str:
+def _lose_a_node(tmp_path: Path, shm: Path, extra: dict[str, str], mode: str = "nodes") -> str:
     """Two agents, one worker each; the victim's worker kills itself and its agent at step
     11. The survivor finishes at world size 1; its log is returned."""
     port = free_port()

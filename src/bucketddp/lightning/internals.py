@@ -245,3 +245,27 @@ def loader_and_fetcher(fit_loop: Any) -> tuple[Any, Any]:
     their iterator, or None for either not made yet (checked on 2.4.0, 2.5.6 and 2.6.6:
     ``FitLoop._combined_loader`` and ``_data_fetcher``)."""
     return fit_loop._combined_loader, fit_loop._data_fetcher
+
+
+def complete_saved_batch(checkpoint: dict[str, Any], fit_loop: Any) -> None:
+    """Count the training batch a checkpoint was saved at the end of (``on_train_batch_end``,
+    before Lightning counts it completed) as done, as Lightning 2.5 and later do when they
+    restart from it (``restarted_on_train_batch_end``). Lightning 2.4 does not: its resumed
+    epoch numbered the later batches one lower, so a validation every ``n`` batches ran a
+    batch late. Does nothing on a Lightning that does it itself (checked on 2.4.0, where it
+    acts, and 2.5.6 and 2.6.6: the fit loop's ``epoch_loop.batch_progress`` and the epoch
+    loop's ``_batches_that_stepped`` in the checkpoint's ``loops``)."""
+    if hasattr(fit_loop.epoch_loop, "restarted_on_train_batch_end"):
+        return
+    state = checkpoint.get("loops", {}).get("fit_loop", {})
+    progress = state.get("epoch_loop.batch_progress")
+    if not progress or "total" not in progress:
+        return
+    total = progress["total"]
+    if not total["ready"] == total["started"] == total["processed"] == total["completed"] + 1:
+        return
+    for part in ("total", "current"):
+        progress[part]["completed"] = progress[part]["processed"]
+    loop_state = state.get("epoch_loop.state_dict", {})
+    if "_batches_that_stepped" in loop_state:
+        loop_state["_batches_that_stepped"] += 1

@@ -70,7 +70,7 @@ from ..elastic.sampler import ElasticSampler, same_order
 from ..elastic.session import Session, open_session
 from ..notice import NOTICE
 from ..parallel import BucketDataParallel
-from .internals import dump_checkpoint, validation_follows
+from .internals import complete_saved_batch, dump_checkpoint, validation_follows
 
 TOKEN = "bucketddp-elastic://newest-snapshot"
 """The ``ckpt_path`` that stands for the agreed snapshot."""
@@ -220,6 +220,7 @@ class TrainerElastic:
             trainer.ckpt_path = None  # a later validate() or test() loads what it is told
         if restored.finished:
             trainer.should_stop = True  # with the loops at their end: no training step
+        complete_saved_batch(restored.state, trainer.fit_loop)
         self._position = restored.state.get(ENTRY)
         self._resized = restored.world_size != trainer.world_size
         if (entry := restored.state.get(HOOK_ENTRY)) is not None:
