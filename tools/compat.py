@@ -47,8 +47,8 @@ NEWEST_TORCH = "2.15.0"
 TORCHES = [OLDEST_TORCH, "2.6.0", "2.10.0", "2.13.0", NEWEST_TORCH]
 AREAS = ["engine", "buffers", "syncbn", "watchdog", "resume", "fit", "fabric", "notebook"]
 # The areas that import Lightning: all that --pinned runs, its torch being the pinned one.
-# "elastic" (torchrun jobs: elastic fits resumed from an epoch's end and from a mid-epoch
-# validation run) is run there only.
+# "elastic" (torchrun jobs: elastic fits resumed from an epoch's end, from a mid-epoch
+# validation run and with two training loaders) is run there only.
 LIGHTNING_AREAS = ["fit", "fabric", "notebook", "elastic"]
 # What the environments need besides torch and Lightning: the test tools, the optional
 # packages the tests use, and Lightning's own dependencies (Lightning itself comes in a layer).
@@ -338,7 +338,8 @@ def write_page(rows: dict[Combo, dict[str, str]]) -> None:
         "The full suite, not only this subset, runs in CI on the pinned stack "
         "(constraints.txt), followed by the Lightning areas with Lightning 2.4 and 2.5 on the "
         "pinned torch (`python3 dev.py compat --pinned`), and there also elastic fits "
-        "killed at an epoch's end and in a mid-epoch validation run, against the same fits "
+        "killed at an epoch's end, in a mid-epoch validation run and mid-epoch with two "
+        "training loaders, against the same fits "
         "uninterrupted (torchrun jobs, which the matrix leaves out).\n" + POLICY
     )
 

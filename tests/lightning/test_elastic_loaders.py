@@ -13,7 +13,9 @@ epoch, on 2 workers; each run against the same fit uninterrupted, bit for bit).
   too): bit-equal.
 - A resume from an epoch's end, with Lightning's sampler and a weighted one: bit-equal,
   on Lightning 2.4 and 2.5 too (CI's compat run).
-- Two training loaders: the fit warns that only one loader's position is kept.
+- Two training loaders, one started over within the epoch, rank 1 SIGKILLed mid-epoch
+  (plain and stateful loaders, an augmentation, worker processes): bit-equal; with a
+  sampler of the user's among them, the fit warns that their positions are not kept.
 - The Fabric loop's loader through ``fabric.setup_dataloaders`` (Fabric's sampler, and the
   loop's ``ElasticSampler``), and the loop's sampler in a StatefulDataLoader in the state,
   rank 1 SIGKILLed mid-epoch: bit-equal.
@@ -113,16 +115,48 @@ def _killed_at_an_epochs_end_is_bit_equal(
         assert same_weights(out / "killed" / "final.pt", out / "straight" / "final.pt"), family
 
 
+@pytest.mark.compat("elastic")  # CI runs it with Lightning 2.4 and 2.5 too (compat --pinned)
+@pytest.mark.timeout(900)  # a hang guard: six torchrun jobs of Lightning
+def test_two_training_loaders_resume_bit_equal(tmp_path: Path, shm: Path) -> None:
+    """Two training loaders in Lightning's ``max_size_cycle``: ``a`` (8 batches a pass)
+    starts over within the epoch of 11 batches that ``b`` makes. Rank 1 SIGKILLed after
+    step 5 (``a``'s pass resumed, then a whole one) and after step 9 (``a`` one batch into
+    its second pass), with noise drawn as rows are read, under a plain loader and, at 9, a
+    stateful one; and at 9 with 2 worker processes per loader: each loader resumes where it
+    stood, the generators go back once both iterators are made, and the weights are
+    bit-equal to the fit uninterrupted. Nothing is warned."""
+    runs = {
+        "loaders/straight": ("trainer", "-1"),
+        "loaders/early": ("trainer", "5"),
+        "loaders/trainer": ("trainer", "9"),
+        "loaders/stateful": ("stateful", "9"),
+    }
+    env = {"ELASTIC_LOADERS": "2", "ELASTIC_AUGMENT": "1"}  # noise drawn as rows are read
+    outputs = run_and_compare(tmp_path, shm, runs, env=env)
+    workers = {"workers/straight": ("trainer", "-1"), "workers/trainer": ("trainer", "9")}
+    env = {"ELASTIC_LOADERS": "2", "ELASTIC_WORKERS": "2"}
+    outputs |= run_and_compare(tmp_path, shm, workers, env=env)
+    for name in ("loaders/early", "loaders/trainer", "loaders/stateful", "workers/trainer"):
+        out = tmp_path / name
+        assert "attempt 1" in (out / "steps.rank1").read_text(), f"{name} did not restart"
+        for rank in (0, 1):
+            assert len(done_twice(out, rank)) <= 1, (name, rank)
+        reference = out.parent / "straight" / "final.pt"
+        assert same_weights(out / "final.pt", reference), name
+    for name, output in outputs.items():
+        assert "training loaders" not in output, name
+
+
 @pytest.mark.timeout(300)  # a hang guard: one torchrun job of Lightning
-def test_two_training_loaders_are_warned_about(tmp_path: Path, shm: Path) -> None:
-    # Only one loader's position is kept: a mid-epoch resume is not exact with two (a kill
-    # at step 11 was seen to end with other weights), so the fit says so as it starts.
-    outputs = run_and_compare(
-        tmp_path, shm, {"loaders/straight": ("trainer", "-1")}, env={"ELASTIC_LOADERS": "2"}
-    )
-    output = outputs["loaders/straight"]
-    assert output.count("resumes an epoch where it stopped for one training loader") == 1
-    assert "this fit has 2" in output
+def test_two_loaders_one_with_a_sampler_of_its_own_are_warned_about(
+    tmp_path: Path, shm: Path
+) -> None:
+    # A sampler of the user's among several loaders is not followed: the fit says so.
+    env = {"ELASTIC_LOADERS": "2", "ELASTIC_SAMPLER": "weighted"}
+    outputs = run_and_compare(tmp_path, shm, {"own/straight": ("trainer", "-1")}, env=env)
+    output = outputs["own/straight"]
+    assert output.count("resumes an epoch where it stopped for several training loaders") == 1
+    assert "this fit has 2 loaders, and not each one has the sampler" in output
 
 
 @pytest.mark.timeout(600)  # a hang guard: four torchrun jobs of Fabric

@@ -258,6 +258,15 @@ def test_a_users_sampler_resumed_at_another_world_size_warns(tmp_path: Path, shm
     assert "(DistributedSamplerWrapper)" in log
 
 
+@pytest.mark.timeout(600)  # a hang guard: two torchrun agents of Lightning
+def test_several_loaders_resumed_at_another_world_size_warn(tmp_path: Path, shm: Path) -> None:
+    # Two training loaders: their passes over the rows no longer line up with the epoch's
+    # batches at another world size, so each one starts its pass over, and the fit says so.
+    log = _lose_a_node(tmp_path, shm, {"ELASTIC_LOADERS": "2"})
+    assert (tmp_path / "done.rank0").read_text().split()[:2] == ["world", "1"]
+    assert log.count("several training loaders resumed at another world size") == 1, log[-4000:]
+
+
 def _lose_a_node(tmp_path: Path, shm: Path, extra: dict[str, str], mode: str = "nodes") -> str:
     """Two agents, one worker each; the victim's worker kills itself and its agent at step
     11. The survivor finishes at world size 1; its log is returned."""

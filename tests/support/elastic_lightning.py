@@ -33,7 +33,9 @@ by ``ELASTIC_VICTIM=1`` kills itself and its agent when ``KILL`` steps are done;
 agent makes torchrun stop it (``wait_for_a_joiner``). ``ELASTIC_SAMPLER`` applies to it too.
 ``ELASTIC_WORKERS=N`` gives the training loaders ``N`` worker processes (none by default),
 which the Trainer's loader keeps from epoch to epoch under ``ELASTIC_PERSISTENT=1``.
-Under ``ELASTIC_LOADERS=2`` the Trainer trains on two loaders (batches of 4 and of 2).
+Under ``ELASTIC_LOADERS=2`` the Trainer trains on two loaders: ``a`` in batches of 4 (8 a
+pass; its sampler is ``ELASTIC_SAMPLER``'s), and ``b`` in batches of 3 (11 a pass, the
+epoch's length).
 Mode ``fabric_nodes`` is ``nodes`` under Fabric, with a shuffled loader through
 ``fab.setup_dataloaders`` and the rows counted over the ranks in the job's state.
 """
@@ -114,7 +116,9 @@ class Module(pl.LightningModule):
 
             loader = StatefulDataLoader
         if os.environ.get("ELASTIC_LOADERS") == "2":
-            return {"a": loader(dataset(), batch_size=BATCH), "b": loader(dataset(), batch_size=2)}
+            # 8 batches a pass, started over within the epoch of 11 that b makes.
+            a = loader(dataset(), batch_size=BATCH, num_workers=WORKERS, **_sampler())
+            return {"a": a, "b": loader(dataset(), batch_size=3, num_workers=WORKERS)}
         persistent = os.environ.get("ELASTIC_PERSISTENT") == "1"
         return loader(
             dataset(),
@@ -299,6 +303,8 @@ class Counting(pl.LightningModule):
         _die_if_victim(step, self.kill)
         if self.trainer.world_size == 1 and step == int(os.environ.get("ELASTIC_GROW_AT", -1)):
             wait_for_a_joiner(self.out)
+        if isinstance(batch, dict):  # two loaders: a's rows are logged, both trained on
+            batch = [torch.cat(parts) for parts in zip(batch["a"], batch["b"], strict=True)]
         index, x, y = batch
         self.seen += len(index)
         rows = " ".join(str(int(i)) for i in index)
@@ -310,6 +316,8 @@ class Counting(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def train_dataloader(self) -> Any:
+        if os.environ.get("ELASTIC_LOADERS") == "2":
+            return {"a": DataLoader(_indexed(), BATCH), "b": DataLoader(_indexed(), 3)}
         return DataLoader(_indexed(), batch_size=BATCH, **_sampler())
 
 

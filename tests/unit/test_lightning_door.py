@@ -47,6 +47,7 @@ DOOR_NAMES = {
     "_get_process_group_backend",
     "_launcher",
     "_layer_sync",
+    "_mode",
     "_set_num_threads_if_needed",
     "_should_check_val_fx",
     "_setup_distributed",

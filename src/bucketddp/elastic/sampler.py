@@ -82,6 +82,7 @@ class ElasticSampler(DistributedSampler):
         super().__init__(dataset, *args, **kwargs)
         self._resumed: tuple[EpochPosition, int] | None = None
         self._cached: tuple[tuple[Any, ...], list[int]] | None = None
+        self._once = False
         self.before_first: Callable[[], None] | None = None
 
     def _order(self, world: int) -> list[int]:
@@ -114,7 +115,10 @@ class ElasticSampler(DistributedSampler):
         call, self.before_first = self.before_first, None
         if call is not None:
             call()
-        yield from self._shard()
+        shard = self._shard()
+        if self._once and self._resumed_here() is not None:
+            self._resumed = None  # this pass goes on where it stopped; a later one is whole
+        yield from shard
 
     def __len__(self) -> int:
         # A whole epoch's share at this world size, resumed or not: a loop that counts the
@@ -140,8 +144,15 @@ class ElasticSampler(DistributedSampler):
             self.epoch, position.base_world, position.offset + new * self.num_replicas
         )
 
-    def resume(self, position: EpochPosition, used: int) -> None:
+    def resume(self, position: EpochPosition, used: int, *, once: bool = False) -> None:
         """Continue ``position``'s epoch from there; ``used``: samples per rank the caller's
-        progress counts as done in that epoch."""
+        progress counts as done in that epoch.
+
+        ``once``: only the next pass over the sampler goes on from there; a later pass in
+        the same epoch is whole (a loader that a combined loader starts over when it runs
+        out, within an epoch). Its ``position`` then counts from that pass's start, which
+        is the same offset at an unchanged world size.
+        """
         self.set_epoch(position.epoch)
         self._resumed = (position, used)
+        self._once = once

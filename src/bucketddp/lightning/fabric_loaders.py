@@ -36,10 +36,10 @@ class CountingSampler(ElasticSampler):
         """Set the epoch to ``epoch`` iterations after the one a resume started in."""
         super().set_epoch(epoch + self._offset)
 
-    def resume(self, position: EpochPosition, used: int) -> None:
+    def resume(self, position: EpochPosition, used: int, *, once: bool = False) -> None:
         """Continue ``position``'s epoch; this process's first iteration is that epoch."""
         self._offset = 0
-        super().resume(position, used)
+        super().resume(position, used, once=once)
         self._offset = position.epoch
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "TrainerProcessLauncher",
     "TrainerScriptLauncher",
     "TrainerStrategyHooks",
+    "combined_mode",
     "ddp_device_ids",
     "dump_checkpoint",
     "fit_ckpt_path",
@@ -245,6 +246,12 @@ def loader_and_fetcher(fit_loop: Any) -> tuple[Any, Any]:
     their iterator, or None for either not made yet (checked on 2.4.0, 2.5.6 and 2.6.6:
     ``FitLoop._combined_loader`` and ``_data_fetcher``)."""
     return fit_loop._combined_loader, fit_loop._data_fetcher
+
+
+def combined_mode(combined: Any) -> str:
+    """The mode of a ``CombinedLoader`` (``"max_size_cycle"`` for a fit's training loaders
+    by default; checked on 2.4.0, 2.5.6 and 2.6.6: ``CombinedLoader._mode``)."""
+    return str(combined._mode)
 
 
 def complete_saved_batch(checkpoint: dict[str, Any], fit_loop: Any) -> None:

@@ -11,7 +11,8 @@ to the Trainer, through the strategy's hooks and one callback:
   ``ElasticSampler`` following its epoch, so a resumed epoch goes on with the samples no
   rank has used yet, at any world size; any other sampler is wrapped in a
   ``ReplaySampler``, which resumes an epoch at the same world size by drawing its order
-  again and skipping what was used;
+  again and skipping what was used; with several training loaders, each one's
+  ``ElasticSampler`` keeps its own position (``bucketddp.elastic.loaders``);
 - after each ``snapshot_every``-th optimizer step (``on_train_batch_end``, where a
   ``ModelCheckpoint(every_n_train_steps=...)`` saves; or, when a mid-epoch validation run
   follows, at its end), the checkpoint Lightning would save goes to shared memory instead,
@@ -62,6 +63,8 @@ from torch.utils.data import DistributedSampler
 from ..elastic import collector, rng, room
 from ..elastic.disk import ENV as PREEMPT_ENV
 from ..elastic.job import NOT_UNDER_TORCHRUN, slurm_job_id, under_slurm
+from ..elastic.loaders import FOLLOWED, TrainingLoader, TrainingLoaders
+from ..elastic.loaders import resume as resume_loader
 from ..elastic.loop import hook_parts, load_own_buffers, own_buffers, restore_hook
 from ..elastic.overlap import enabled, late_tensors
 from ..elastic.replay import ReplaySampler
@@ -70,7 +73,12 @@ from ..elastic.sampler import ElasticSampler, same_order
 from ..elastic.session import Session, open_session
 from ..notice import NOTICE
 from ..parallel import BucketDataParallel
-from .internals import complete_saved_batch, dump_checkpoint, validation_follows
+from .internals import (
+    combined_mode,
+    complete_saved_batch,
+    dump_checkpoint,
+    validation_follows,
+)
 
 TOKEN = "bucketddp-elastic://newest-snapshot"
 """The ``ckpt_path`` that stands for the agreed snapshot."""
@@ -107,15 +115,21 @@ def _batches_done(sampler: ElasticSampler, batch_sampler: Any) -> int:
 
 
 MANY_LOADERS = (
-    "bucketddp: elastic=True resumes an epoch where it stopped for one training loader, and "
-    "this fit has {n}: after a restart mid-epoch, the rest of that epoch may use some rows "
-    "twice and others not at all (the state is the snapshot's, and the epochs after it are "
-    "whole). For an exact resume, train on one loader (combine the datasets into one)."
+    "bucketddp: elastic=True resumes an epoch where it stopped for several training loaders "
+    "when Lightning puts the sampler in each one and combines them in mode 'max_size_cycle' "
+    "(its default), 'max_size' or 'min_size'; this fit has {n} loaders, {why}: after a "
+    "restart mid-epoch, the rest of that epoch may use some rows twice and others not at all "
+    "(the state is the snapshot's, and the epochs after it are whole)."
 )
 
 
 def _nothing() -> None:
     """Nothing to do."""
+
+
+def _first_of(loaders: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first loader's position and count, as a snapshot of one loader keeps them."""
+    return {"position": loaders[0]["position"], "used": loaders[0]["used"]}
 
 
 def _fixed_batches(batch_sampler: Any) -> bool:
@@ -164,6 +178,8 @@ class TrainerElastic:
         # Resumed from an epoch's last batch: that epoch and the generators there, until the
         # training starts (``train_started``).
         self._epoch_end: tuple[int, dict[str, Any]] | None = None
+        # The fit's training loaders (several: each one's position is kept).
+        self.loaders = TrainingLoaders()
 
     def before_fit(self, strategy: Any, trainer: Any, user_ckpt_path: Any) -> None:
         """In the launcher: set up the group and agree on the snapshot to resume from."""
@@ -236,7 +252,16 @@ class TrainerElastic:
             self._restore_own(None)
         return restored.state
 
+    def _loader_entries(self) -> list[dict[str, Any]] | None:
+        """The snapshot's position of each training loader, if it kept several; else None."""
+        entries = None if self._position is None else self._position.get("loaders")
+        return entries if isinstance(entries, list) and len(entries) > 1 else None
+
     def _resume_sampler(self, trainer: Any = None, batch_sampler: Any = None) -> None:
+        if self._loader_entries() is not None:
+            for index in range(len(self.loaders.loaders)):
+                self._resume_loader(index)
+            return
         if self._position is None or self.sampler is None or self._position["position"] is None:
             return
         position, used = self._position["position"], self._position["used"]
@@ -252,23 +277,34 @@ class TrainerElastic:
             progress.completed = done - 1  # as saved on a batch's end (Lightning adds 1)
 
     def process_dataloader(self, trainer: Any, dataloader: Any) -> Any:
-        """Put an ``ElasticSampler`` in the training loader, in place of Lightning's
+        """Put an ``ElasticSampler`` in each training loader, in place of Lightning's
         ``DistributedSampler``."""
+        if self.session is None or not trainer.training:
+            return dataloader
         batch_sampler: Any = getattr(dataloader, "batch_sampler", None)
         original = getattr(batch_sampler, "sampler", None)
-        if self.session is None or not trainer.training or original is None:
-            return dataloader
-        self._persistent = bool(getattr(dataloader, "persistent_workers", False))
+        workers = bool(getattr(dataloader, "num_workers", 0))
         if type(original) is not DistributedSampler:
-            if _fixed_batches(batch_sampler):
+            index = self.loaders.add(TrainingLoader(None, 0, 0, workers))
+            if original is not None and index == 0 and _fixed_batches(batch_sampler):
+                self._persistent = bool(getattr(dataloader, "persistent_workers", False))
                 self.replay = batch_sampler.sampler = ReplaySampler(original)
                 self.batch_size = int(batch_sampler.batch_size)
                 self._resume_replay()
             return dataloader
-        self.sampler = _FollowingSampler(original)
-        batch_sampler.sampler = self.sampler
-        self.batch_size = int(batch_sampler.batch_size)
+        sampler = _FollowingSampler(original)
+        batch_sampler.sampler = sampler
+        loader = TrainingLoader(sampler, int(batch_sampler.batch_size), len(batch_sampler), workers)
+        index = self.loaders.add(loader)
+        if index > 0:
+            self._resume_loader(index)
+            return dataloader
+        self._persistent = bool(getattr(dataloader, "persistent_workers", False))
+        self.sampler = sampler
+        self.batch_size = loader.batch_size
         self._resume_sampler(trainer, batch_sampler)
+        if self._loader_entries() is not None:
+            return dataloader
         if self._own is not None and self._own["rng"] is not None:
             # Mid-epoch: the generators go back once the loader's iterator has drawn its
             # seed, before the first batch's fetch, where the fit that stopped stood.
@@ -294,12 +330,48 @@ class TrainerElastic:
                 rng.restore(state)
 
     def check_loaders(self, combined: Any) -> None:
-        """At the fit's start: warn that a mid-epoch resume keeps the position of one
-        training loader only, if ``combined`` (the fit loop's) holds more."""
+        """At the fit's start: note the training loaders ``combined`` (the fit loop's) holds,
+        and, for several, warn if a mid-epoch resume cannot keep each one's position."""
         loaders = getattr(combined, "flattened", None)
-        if self.session is None or loaders is None or len(loaders) < 2:
+        if self.session is None or loaders is None:
             return
-        rank_zero_warn(MANY_LOADERS.format(n=len(loaders)), category=PossibleUserWarning)
+        mode = combined_mode(combined)
+        self.loaders.started(len(loaders), mode)
+        if len(loaders) < 2 or self.loaders.followed():
+            return
+        if mode not in FOLLOWED:
+            why = f"combined in mode {mode!r}"
+        else:
+            why = "and not each one has the sampler Lightning puts in"
+        rank_zero_warn(MANY_LOADERS.format(n=len(loaders), why=why), category=PossibleUserWarning)
+
+    def _resume_loader(self, index: int) -> None:
+        """Resumed from a snapshot of several loaders' positions: resume loader ``index``'s
+        sampler at its own (at an unchanged world size); the generators go back as the
+        loaders' first index is asked for once all their iterators are made."""
+        entries = self._loader_entries()
+        sampler = self.loaders.loaders[index].sampler
+        if entries is None or sampler is None or index >= len(entries):
+            return
+        if self._resized:
+            if index == 0:
+                rank_zero_warn(
+                    "bucketddp: several training loaders resumed at another world size: each "
+                    "one starts its pass over, so this epoch's rows may be used twice or not "
+                    "at all. At an unchanged world size each one resumes where it stopped."
+                )
+            return
+        resume_loader(sampler, entries[index])
+        if self._own is not None and self._own["rng"] is not None:
+            sampler.before_first = functools.partial(self._first_fetch, index)
+        _quiet_lightnings_resume_warning()
+
+    def _first_fetch(self, index: int) -> None:
+        """Loader ``index``'s first index: if it is the one asked first once every
+        loader's iterator is made (``TrainingLoaders.first_fetch``), put the generators
+        back."""
+        if index == self.loaders.first_fetch():
+            self._restore_rng()
 
     def _take_epoch_end_rng(self) -> dict[str, Any] | None:
         """Once: the generators at an epoch-end snapshot, if the training loader keeps its
@@ -429,6 +501,9 @@ class TrainerElastic:
                 "epoch_end": progress >= trainer.num_training_batches,
                 "epoch": trainer.current_epoch,
             }
+            if self.loaders.several and self.loaders.followed():
+                loaders = self.loaders.positions(progress)
+                checkpoint[ENTRY].update(loaders=loaders, **_first_of(loaders))
             if self.replay is not None:
                 checkpoint[ENTRY]["world"] = trainer.world_size
                 own["rng_epoch"] = self.replay.started
