@@ -14,7 +14,8 @@ epoch, on 2 workers; each run against the same fit uninterrupted, bit for bit).
 - A resume from an epoch's end, with Lightning's sampler and a weighted one: bit-equal,
   on Lightning 2.4 and 2.5 too (CI's compat run).
 - Two training loaders, one started over within the epoch, rank 1 SIGKILLed mid-epoch
-  (plain and stateful loaders, an augmentation, worker processes): bit-equal; with a
+  (plain and stateful loaders, an augmentation, worker processes; and in Lightning's
+  ``min_size`` and ``max_size`` modes): bit-equal; with a
   sampler of the user's among them, the fit warns that their positions are not kept.
 - The Fabric loop's loader through ``fabric.setup_dataloaders`` (Fabric's sampler, and the
   loop's ``ElasticSampler``), and the loop's sampler in a StatefulDataLoader in the state,
@@ -145,6 +146,25 @@ def test_two_training_loaders_resume_bit_equal(tmp_path: Path, shm: Path) -> Non
         assert same_weights(out / "final.pt", reference), name
     for name, output in outputs.items():
         assert "training loaders" not in output, name
+
+
+@pytest.mark.timeout(600)  # a hang guard: four torchrun jobs of Lightning
+def test_two_loaders_in_the_other_modes_resume_bit_equal(tmp_path: Path, shm: Path) -> None:
+    """The same two loaders combined in ``min_size`` (epochs of 8 batches, ``b`` stopped
+    after 8 of its 11) and ``max_size`` (``a`` runs out after 8 of the epoch's 11 and gives
+    nothing more), noise drawn as rows are read, rank 1 SIGKILLed after step 5 and step 9:
+    bit-equal to the fit uninterrupted, nothing warned."""
+    for mode, kill in (("min_size", "5"), ("max_size", "9")):
+        runs = {f"{mode}/straight": ("trainer", "-1"), f"{mode}/killed": ("trainer", kill)}
+        env = {"ELASTIC_LOADERS": "2", "ELASTIC_LOADERS_MODE": mode, "ELASTIC_AUGMENT": "1"}
+        outputs = run_and_compare(tmp_path, shm, runs, env=env)
+        out = tmp_path / mode / "killed"
+        assert "attempt 1" in (out / "steps.rank1").read_text(), f"{mode} did not restart"
+        for rank in (0, 1):
+            assert len(done_twice(out, rank)) <= 1, (mode, rank)
+        assert same_weights(out / "final.pt", out.parent / "straight" / "final.pt"), mode
+        for name, output in outputs.items():
+            assert "training loaders" not in output, name
 
 
 @pytest.mark.timeout(300)  # a hang guard: one torchrun job of Lightning

@@ -35,7 +35,8 @@ agent makes torchrun stop it (``wait_for_a_joiner``). ``ELASTIC_SAMPLER`` applie
 which the Trainer's loader keeps from epoch to epoch under ``ELASTIC_PERSISTENT=1``.
 Under ``ELASTIC_LOADERS=2`` the Trainer trains on two loaders: ``a`` in batches of 4 (8 a
 pass; its sampler is ``ELASTIC_SAMPLER``'s), and ``b`` in batches of 3 (11 a pass, the
-epoch's length).
+epoch's length), combined in Lightning's default mode for training or in
+``ELASTIC_LOADERS_MODE``.
 Mode ``fabric_nodes`` is ``nodes`` under Fabric, with a shuffled loader through
 ``fab.setup_dataloaders`` and the rows counted over the ranks in the job's state.
 """
@@ -53,6 +54,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric import Fabric
+from lightning.pytorch.utilities import CombinedLoader
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.utils.data import DataLoader
 
@@ -101,8 +103,9 @@ class Module(pl.LightningModule):
         # Accumulating, the kill comes in the batch that completes the step.
         if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
             _kill_if_due(self.global_rank, self.trainer.global_step, self.kill)
-        if isinstance(batch, dict):  # two loaders: a batch of each
-            batch = [torch.cat(parts) for parts in zip(*batch.values(), strict=True)]
+        if isinstance(batch, dict):  # two loaders: a batch of each (None: one that ran out)
+            given = [part for part in batch.values() if part is not None]
+            batch = [torch.cat(parts) for parts in zip(*given, strict=True)]
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -118,7 +121,9 @@ class Module(pl.LightningModule):
         if os.environ.get("ELASTIC_LOADERS") == "2":
             # 8 batches a pass, started over within the epoch of 11 that b makes.
             a = loader(dataset(), batch_size=BATCH, num_workers=WORKERS, **_sampler())
-            return {"a": a, "b": loader(dataset(), batch_size=3, num_workers=WORKERS)}
+            loaders = {"a": a, "b": loader(dataset(), batch_size=3, num_workers=WORKERS)}
+            mode = os.environ.get("ELASTIC_LOADERS_MODE")
+            return CombinedLoader(loaders, mode) if mode else loaders
         persistent = os.environ.get("ELASTIC_PERSISTENT") == "1"
         return loader(
             dataset(),
