@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .sampler import ElasticSampler, EpochPosition
+from .sampler import ElasticSampler
 
 CYCLING = "max_size_cycle"
 FOLLOWED = (CYCLING, "max_size", "min_size")
@@ -104,10 +104,3 @@ class TrainingLoaders:
         if self.loaders[-1].workers:
             return len(self.loaders) - 1
         return next(i for i, x in enumerate(self.loaders) if not x.workers)
-
-
-def resume(sampler: ElasticSampler, entry: dict[str, Any]) -> None:
-    """Resume ``sampler``'s current pass from its ``entry`` (``TrainingLoaders.positions``)."""
-    position = entry["position"]
-    assert isinstance(position, EpochPosition)
-    sampler.resume(position, entry["used"], once=True)

@@ -64,7 +64,6 @@ from ..elastic import collector, rng, room
 from ..elastic.disk import ENV as PREEMPT_ENV
 from ..elastic.job import NOT_UNDER_TORCHRUN, slurm_job_id, under_slurm
 from ..elastic.loaders import FOLLOWED, TrainingLoader, TrainingLoaders
-from ..elastic.loaders import resume as resume_loader
 from ..elastic.loop import hook_parts, load_own_buffers, own_buffers, restore_hook
 from ..elastic.overlap import enabled, late_tensors
 from ..elastic.replay import ReplaySampler
@@ -361,7 +360,7 @@ class TrainerElastic:
                     "at all. At an unchanged world size each one resumes where it stopped."
                 )
             return
-        resume_loader(sampler, entries[index])
+        sampler.resume(entries[index]["position"], entries[index]["used"], once=True)
         if self._own is not None and self._own["rng"] is not None:
             sampler.before_first = functools.partial(self._first_fetch, index)
         _quiet_lightnings_resume_warning()
