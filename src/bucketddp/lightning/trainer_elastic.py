@@ -118,7 +118,9 @@ MANY_LOADERS = (
     "when Lightning puts the sampler in each one and combines them in mode 'max_size_cycle' "
     "(its default), 'max_size' or 'min_size'; this fit has {n} loaders, {why}: after a "
     "restart mid-epoch, the rest of that epoch may use some rows twice and others not at all "
-    "(the state is the snapshot's, and the epochs after it are whole)."
+    "(the state is the snapshot's, and the epochs after it are whole). For an exact resume, "
+    "leave each loader's sampler to Lightning (use_distributed_sampler=True, a DataLoader "
+    "without a sampler of your own) and combine them in one of those modes."
 )
 
 
