@@ -48,7 +48,7 @@ TORCHES = [OLDEST_TORCH, "2.6.0", "2.10.0", "2.13.0", NEWEST_TORCH]
 AREAS = ["engine", "buffers", "syncbn", "watchdog", "resume", "fit", "fabric", "notebook"]
 # The areas that import Lightning: all that --pinned runs, its torch being the pinned one.
 # "elastic" (torchrun jobs: elastic fits resumed from an epoch's end, from a mid-epoch
-# validation run and with two training loaders) is run there only.
+# validation run and with two training loaders, also after a node lost) is run there only.
 LIGHTNING_AREAS = ["fit", "fabric", "notebook", "elastic"]
 # What the environments need besides torch and Lightning: the test tools, the optional
 # packages the tests use, and Lightning's own dependencies (Lightning itself comes in a layer).

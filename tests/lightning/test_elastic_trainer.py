@@ -27,7 +27,9 @@
   worker mid-epoch; the other goes on at world size 1, every epoch uses every row exactly
   once, and a ``"sum"`` buffer counts every row once. With a ``WeightedRandomSampler``
   instead (Lightning wraps it), the survivor finishes and warns once that the epoch's rows
-  may be used twice or not at all.
+  may be used twice or not at all. With two training loaders (``max_size_cycle`` and
+  ``min_size``), each loader's rows are used once per pass and the epoch ends where the
+  loader that ends it runs out.
 - A whole-job preemption: SIGTERM to the torchrun agent once 13 steps are done (it sends
   SIGTERM to every worker and ends the job), with ``BUCKETDDP_PREEMPT_DIR`` given: every
   rank stops after step 14, the snapshot goes to disk and ``/dev/shm`` is left empty; the
@@ -214,9 +216,9 @@ def test_a_rank_killed_after_fit_returned_trains_nothing_again(
 
 
 def _agent(
-    out: Path, port: int, host: bool, env: dict[str, str], mode: str = "nodes"
+    out: Path, port: int, host: bool, env: dict[str, str], mode: str = "nodes", kill: str = "11"
 ) -> subprocess.Popen[bytes]:
-    cmd = [*agent(port, host=host), str(SCRIPT), mode, str(out), "11"]
+    cmd = [*agent(port, host=host), str(SCRIPT), mode, str(out), kill]
     return start(cmd, out / f"agent{'A' if host else 'B'}.log", env)
 
 
@@ -258,22 +260,48 @@ def test_a_users_sampler_resumed_at_another_world_size_warns(tmp_path: Path, shm
     assert "(DistributedSamplerWrapper)" in log
 
 
-@pytest.mark.timeout(600)  # a hang guard: two torchrun agents of Lightning
-def test_several_loaders_resumed_at_another_world_size_warn(tmp_path: Path, shm: Path) -> None:
-    # Two training loaders: their passes over the rows no longer line up with the epoch's
-    # batches at another world size, so each one starts its pass over, and the fit says so.
-    log = _lose_a_node(tmp_path, shm, {"ELASTIC_LOADERS": "2"})
-    assert (tmp_path / "done.rank0").read_text().split()[:2] == ["world", "1"]
-    assert log.count("several training loaders resumed at another world size") == 1, log[-4000:]
+@pytest.mark.compat("elastic")  # CI runs it with Lightning 2.4 and 2.5 too (compat --pinned)
+@pytest.mark.timeout(900)  # a hang guard: two jobs of two torchrun agents of Lightning
+def test_several_loaders_resumed_at_another_world_size_use_each_row_once(
+    tmp_path: Path, shm: Path
+) -> None:
+    # Two loaders: a (8 batches a pass on 2 ranks) and b (11, the epoch's length). In
+    # max_size_cycle, a node lost after step 9 (a one batch into its second pass): the
+    # epoch ends where b's rows run out at world size 1, each of them used once, and a's
+    # rows once per pass. In min_size (epochs end with a), lost after step 5: a's rows once
+    # an epoch, and as many of b's as a's batches take, none twice.
+    for mode, kill in (("max_size_cycle", "9"), ("min_size", "5")):
+        out = tmp_path / mode
+        out.mkdir()
+        env = {"ELASTIC_LOADERS": "2", "ELASTIC_LOADERS_MODE": mode}
+        log = _lose_a_node(out, shm / mode, env, kill=kill)
+        assert (out / "done.rank0").read_text().split()[:2] == ["world", "1"]
+        assert "training loaders" not in log, log[-4000:]  # nothing warned
+        rows = rows_by_epoch(out)
+        assert sorted(rows) == [0, 1, 2]
+        for epoch, count in rows.items():
+            a = Counter({row: n for row, n in count.items() if row < 100})
+            b = count - a
+            if mode == "min_size":
+                assert a == Counter(range(64)), f"{mode}, epoch {epoch}: a's rows"
+                assert max(b.values()) == 1 and b.total() == 48, (mode, epoch, b)
+            else:
+                assert b == Counter(range(100, 164)), f"{mode}, epoch {epoch}: b's rows"
+                # a: a whole pass, then 24 rows of the next, cut where b ends the epoch
+                assert set(a) == set(range(64)) and max(a.values()) == 2, (mode, epoch, a)
+                assert a.total() == 88, (mode, epoch, a)  # as at world size 2 and 1 alike
 
 
-def _lose_a_node(tmp_path: Path, shm: Path, extra: dict[str, str], mode: str = "nodes") -> str:
-    """Two agents, one worker each; the victim's worker kills itself and its agent at step
-    11. The survivor finishes at world size 1; its log is returned."""
+def _lose_a_node(
+    tmp_path: Path, shm: Path, extra: dict[str, str], mode: str = "nodes", kill: str = "11"
+) -> str:
+    """Two agents, one worker each; the victim's worker kills itself and its agent once
+    ``kill`` steps are done. The survivor finishes at world size 1; its log is returned."""
     port = free_port()
     env = {"BUCKETDDP_SNAPSHOT_DIR": str(shm), **extra}
-    survivor = _agent(tmp_path, port, host=True, env=env, mode=mode)  # hosts the store
-    victim = _agent(tmp_path, port, host=False, env={**env, "ELASTIC_VICTIM": "1"}, mode=mode)
+    survivor = _agent(tmp_path, port, host=True, env=env, mode=mode, kill=kill)  # the store
+    victim_env = {**env, "ELASTIC_VICTIM": "1"}
+    victim = _agent(tmp_path, port, host=False, env=victim_env, mode=mode, kill=kill)
     try:
         assert survivor.wait(timeout=240) == 0, (tmp_path / "agentA.log").read_text()[-4000:]
         assert victim.wait(timeout=30) == -signal.SIGKILL  # its worker killed it at step 11

@@ -36,7 +36,7 @@ which the Trainer's loader keeps from epoch to epoch under ``ELASTIC_PERSISTENT=
 Under ``ELASTIC_LOADERS=2`` the Trainer trains on two loaders: ``a`` in batches of 4 (8 a
 pass; its sampler is ``ELASTIC_SAMPLER``'s), and ``b`` in batches of 3 (11 a pass, the
 epoch's length), combined in Lightning's default mode for training or in
-``ELASTIC_LOADERS_MODE``.
+``ELASTIC_LOADERS_MODE``; in mode ``nodes``, ``b``'s rows are logged as 100 and up.
 Mode ``fabric_nodes`` is ``nodes`` under Fabric, with a shuffled loader through
 ``fab.setup_dataloaders`` and the rows counted over the ranks in the job's state.
 """
@@ -308,8 +308,11 @@ class Counting(pl.LightningModule):
         _die_if_victim(step, self.kill)
         if self.trainer.world_size == 1 and step == int(os.environ.get("ELASTIC_GROW_AT", -1)):
             wait_for_a_joiner(self.out)
-        if isinstance(batch, dict):  # two loaders: a's rows are logged, both trained on
-            batch = [torch.cat(parts) for parts in zip(batch["a"], batch["b"], strict=True)]
+        if isinstance(batch, dict):  # two loaders: b's rows are logged as 100 and up
+            parts = [batch[name] for name in ("a", "b") if batch.get(name) is not None]
+            if len(parts) == 2:
+                parts[1] = [parts[1][0] + 100, *parts[1][1:]]
+            batch = [torch.cat(columns) for columns in zip(*parts, strict=True)]
         index, x, y = batch
         self.seen += len(index)
         rows = " ".join(str(int(i)) for i in index)
@@ -322,7 +325,9 @@ class Counting(pl.LightningModule):
 
     def train_dataloader(self) -> Any:
         if os.environ.get("ELASTIC_LOADERS") == "2":
-            return {"a": DataLoader(_indexed(), BATCH), "b": DataLoader(_indexed(), 3)}
+            loaders = {"a": DataLoader(_indexed(), BATCH), "b": DataLoader(_indexed(), 3)}
+            mode = os.environ.get("ELASTIC_LOADERS_MODE")
+            return CombinedLoader(loaders, mode) if mode else loaders
         return DataLoader(_indexed(), batch_size=BATCH, **_sampler())
 
 

@@ -11,8 +11,10 @@ after the other) is not followed.
 
 Each loader's ``ElasticSampler`` resumes at its own position for its current pass only
 (``resume(..., once=True)``): later passes in that epoch are whole, as in the fit that went
-on. That is exact at an unchanged world size; at another one the loaders' passes no longer
-line up with the epoch's batches, and a fit with several loaders starts each pass whole.
+on. At another world size, what is left of each loader's pass is split over the new ranks,
+so its passes no longer begin where the epoch's batch count says: each loader keeps where
+its current pass began (``TrainingLoader.start``), and the epoch goes on for as many batches
+as the rows left of the loader that ends it make (``TrainingLoaders.epoch_rest``).
 
 Nothing here imports Lightning: ``bucketddp.lightning.trainer_elastic`` asks Lightning.
 """
@@ -22,30 +24,53 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .sampler import ElasticSampler
+from .sampler import ElasticSampler, EpochPosition
 
 CYCLING = "max_size_cycle"
 FOLLOWED = (CYCLING, "max_size", "min_size")
 """The modes of a combined loader whose loaders' positions are followed."""
 
 
-def batches_in(processed: int, batches: int, mode: str) -> int:
+def batches_in(processed: int, batches: int, mode: str, start: tuple[int, int] = (0, 0)) -> int:
     """How many batches of its current pass a loader of ``batches`` a pass has given once
-    the epoch's first ``processed`` batches are done, in a combined loader of ``mode``."""
-    if mode == CYCLING and batches > 0 and processed > 0:
-        return (processed - 1) % batches + 1
-    return min(processed, batches)
+    the epoch's first ``processed`` batches are done, in a combined loader of ``mode``.
+
+    ``start``: once ``start[0]`` batches of the epoch were done, the loader was ``start[1]``
+    batches into a pass (an epoch resumed at another world size); by default its first pass
+    began with the epoch.
+    """
+    done, into = start
+    k = max(processed - done, 0)
+    if _later_pass(k, batches, into, mode):
+        return (k - (batches - into) - 1) % batches + 1
+    return min(into + k, batches)
+
+
+def _later_pass(k: int, batches: int, into: int, mode: str) -> bool:
+    """Whether ``k`` batches after a point ``into`` batches into a pass, a loader is in a
+    later pass (it starts over when it runs out: ``max_size_cycle``)."""
+    return mode == CYCLING and batches > 0 and k > batches - into
 
 
 @dataclass
 class TrainingLoader:
     """One training loader of the fit: its sampler (None: not an ``ElasticSampler``), its
-    batch size, its batches a pass, and whether it has worker processes."""
+    batch size, its batches a pass, whether it has worker processes, and whether its last
+    batch of a pass is dropped when short.
+
+    ``start``, once resumed: (epoch, batches of that epoch done, batches into the loader's
+    pass then). ``rest`` and ``ends``, resumed at another world size: the batches its pass
+    has left at this one, and whether that pass ended the epoch in the fit that stopped.
+    """
 
     sampler: ElasticSampler | None
     batch_size: int
     batches: int
     workers: bool
+    drop_last: bool = False
+    start: tuple[int, int, int] | None = None
+    rest: int = 0
+    ends: bool = True
 
 
 class TrainingLoaders:
@@ -86,15 +111,67 @@ class TrainingLoaders:
             and all(x.sampler is not None for x in self.loaders)
         )
 
+    def epoch_batches(self) -> int:
+        """The batches an epoch has at this world size, as Lightning counts them."""
+        counts = [x.batches for x in self.loaders]
+        return min(counts) if self.mode == "min_size" else max(counts)
+
     def positions(self, processed: int) -> list[dict[str, Any]]:
         """Each loader's entry for a snapshot taken once ``processed`` batches of the epoch
-        are done: its position, and the samples it used of its current pass."""
+        are done: its position, the samples it used of its current pass, where the pass it
+        resumed began (``start``), and whether its current pass ends with the epoch."""
         entries = []
+        total = self.epoch_batches()
         for x in self.loaders:
             assert x.sampler is not None
-            used = batches_in(processed, x.batches, self.mode) * x.batch_size
-            entries.append({"position": x.sampler.position(used), "used": used})
+            start = x.start[1:] if x.start and x.start[0] == x.sampler.epoch else (0, 0)
+            batches = batches_in(processed, x.batches, self.mode, start)
+            later = _later_pass(processed - start[0], x.batches, start[1], self.mode)
+            used = batches * x.batch_size
+            entries.append(
+                {
+                    "position": x.sampler.position(used, later_pass=later),
+                    "used": used,
+                    "start": start,
+                    "ends": processed + x.batches - batches == total,
+                }
+            )
         return entries
+
+    def resume(self, index: int, entry: dict[str, Any], resized: bool) -> None:
+        """Resume loader ``index``'s sampler where its snapshot ``entry`` left its current
+        pass; ``resized``: at another world size than the snapshot's, where the rest of that
+        pass is split over this one's ranks (then call ``epoch_rest`` once all are)."""
+        x = self.loaders[index]
+        assert x.sampler is not None
+        position: EpochPosition = entry["position"]
+        done, into = entry.get("start", (0, 0))
+        if not resized:
+            x.sampler.resume(position, entry["used"], once=True)
+            x.start = (position.epoch, done, into)
+            return
+        x.sampler.resume(position, 0, once=True)
+        left = x.sampler.left()
+        x.rest = left // x.batch_size if x.drop_last else -(-left // x.batch_size)
+        x.ends = bool(entry.get("ends", True))
+        x.sampler.resume(position, (x.batches - x.rest) * x.batch_size, once=True)
+
+    def epoch_rest(self) -> int:
+        """Every loader resumed at another world size: the batches of the epoch to count as
+        done, so that it ends when the rows left of the loader that ends it run out (each
+        loader's ``start`` is set there)."""
+        rests = [x.rest for x in self.loaders]
+        if self.mode == "min_size":
+            rest = min(rests)
+        elif self.mode == CYCLING:
+            rest = max((x.rest for x in self.loaders if x.ends), default=max(rests))
+        else:
+            rest = max(rests)
+        done = self.epoch_batches() - rest
+        for x in self.loaders:
+            assert x.sampler is not None
+            x.start = (x.sampler.epoch, done, x.batches - x.rest)
+        return done
 
     def first_fetch(self) -> int:
         """The loader whose sampler is asked for its first index once every loader's

@@ -81,7 +81,10 @@ class ElasticSampler(DistributedSampler):
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
         self._resumed: tuple[EpochPosition, int] | None = None
-        self._cached: tuple[tuple[Any, ...], list[int]] | None = None
+        # What ``resume`` was given, kept for ``position`` after a ``once`` pass began.
+        self._kept: tuple[EpochPosition, int] | None = None
+        # The shards last made: the next pass's, and the resumed one's for ``position``.
+        self._cached: dict[tuple[Any, ...], list[int]] = {}
         self._once = False
         self.before_first: Callable[[], None] | None = None
 
@@ -89,15 +92,20 @@ class ElasticSampler(DistributedSampler):
         size = len(self.dataset)  # type: ignore[arg-type]
         return epoch_order(size, world, self.epoch, self.seed, self.shuffle, self.drop_last)
 
-    def _resumed_here(self) -> tuple[EpochPosition, int] | None:
-        resumed = self._resumed
+    def _here(
+        self, resumed: tuple[EpochPosition, int] | None
+    ) -> tuple[EpochPosition, int] | None:
         return resumed if resumed is not None and resumed[0].epoch == self.epoch else None
 
-    def _shard(self) -> list[int]:
-        resumed = self._resumed_here()
+    def _resumed_here(self) -> tuple[EpochPosition, int] | None:
+        return self._here(self._resumed)
+
+    def _shard(self, resumed: tuple[EpochPosition, int] | None = None) -> list[int]:
+        """This rank's indices of the pass ``resumed`` continues (default: the next pass)."""
+        resumed = self._resumed_here() if resumed is None else self._here(resumed)
         key = (self.epoch, resumed, self.num_replicas, self.rank)
-        if self._cached is not None and self._cached[0] == key:
-            return self._cached[1]
+        if key in self._cached:
+            return self._cached[key]
         if resumed is None:
             shard = self._order(self.num_replicas)[self.rank :: self.num_replicas]
         else:
@@ -105,7 +113,9 @@ class ElasticSampler(DistributedSampler):
             left = self._order(position.base_world)[position.offset :]
             left = _fit(left, self.num_replicas, self.drop_last, wrap=left)
             shard = left[self.rank :: self.num_replicas]
-        self._cached = (key, shard)
+        if len(self._cached) > 1:
+            self._cached.clear()
+        self._cached[key] = shard
         return shard
 
     def __iter__(self) -> Iterator[int]:
@@ -131,15 +141,20 @@ class ElasticSampler(DistributedSampler):
         epoch is not resumed)."""
         return len(self._shard())
 
-    def position(self, used: int) -> EpochPosition:
+    def position(self, used: int, *, later_pass: bool = False) -> EpochPosition:
         """Where this epoch stands once each rank has used ``used`` samples of it (counted
-        from the epoch's start, resumed samples included)."""
-        resumed = self._resumed_here()
+        from the epoch's start, resumed samples included).
+
+        ``later_pass``: ``used`` counts in a whole pass after the resumed one (``once``);
+        otherwise it counts in the resumed pass, even once a loader running ahead has
+        begun the next one.
+        """
+        resumed = None if later_pass else self._here(self._kept)
         if resumed is None:
             used = min(used, int(self.num_samples))
             return EpochPosition(self.epoch, self.num_replicas, used * self.num_replicas)
         position, skipped = resumed
-        new = min(max(used - skipped, 0), len(self._shard()))
+        new = min(max(used - skipped, 0), len(self._shard(resumed)))
         return EpochPosition(
             self.epoch, position.base_world, position.offset + new * self.num_replicas
         )
@@ -154,5 +169,5 @@ class ElasticSampler(DistributedSampler):
         is the same offset at an unchanged world size.
         """
         self.set_epoch(position.epoch)
-        self._resumed = (position, used)
+        self._resumed = self._kept = (position, used)
         self._once = once

@@ -128,6 +128,19 @@ def _nothing() -> None:
     """Nothing to do."""
 
 
+def _count_done(trainer: Any, done: int) -> None:
+    """Resumed at another world size: Lightning counted the epoch's batches at the old one;
+    at this one, the epoch has ``done`` batches behind it, so that it ends when the rows
+    left run out."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    # Saved on a batch's end, that batch is not yet counted completed: Lightning 2.5 and
+    # later add it as they restart (``complete_saved_batch`` adds it for 2.4), then count
+    # every batch completed as ready. Keep that gap.
+    behind = progress.processed - progress.completed
+    progress.ready = progress.started = progress.processed = done
+    progress.completed = done - behind
+
+
 def _first_of(loaders: list[dict[str, Any]]) -> dict[str, Any]:
     """The first loader's position and count, as a snapshot of one loader keeps them."""
     return {"position": loaders[0]["position"], "used": loaders[0]["used"]}
@@ -261,7 +274,7 @@ class TrainerElastic:
     def _resume_sampler(self, trainer: Any = None, batch_sampler: Any = None) -> None:
         if self._loader_entries() is not None:
             for index in range(len(self.loaders.loaders)):
-                self._resume_loader(index)
+                self._resume_loader(index, trainer)
             return
         if self._position is None or self.sampler is None or self._position["position"] is None:
             return
@@ -271,11 +284,7 @@ class TrainerElastic:
             self._resized = False
             done = _batches_done(self.sampler, batch_sampler)
             self.sampler.resume(position, done * self.batch_size)
-            # Lightning counted the epoch's batches at the old size; at this one, the epoch
-            # has ``done`` batches behind it, so that it ends when the rows left run out.
-            progress = trainer.fit_loop.epoch_loop.batch_progress.current
-            progress.ready = progress.started = progress.processed = done
-            progress.completed = done - 1  # as saved on a batch's end (Lightning adds 1)
+            _count_done(trainer, done)
 
     def process_dataloader(self, trainer: Any, dataloader: Any) -> Any:
         """Put an ``ElasticSampler`` in each training loader, in place of Lightning's
@@ -295,14 +304,14 @@ class TrainerElastic:
             return dataloader
         sampler = _FollowingSampler(original)
         batch_sampler.sampler = sampler
-        loader = TrainingLoader(sampler, int(batch_sampler.batch_size), len(batch_sampler), workers)
-        index = self.loaders.add(loader)
+        size, drop = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)
+        index = self.loaders.add(TrainingLoader(sampler, size, len(batch_sampler), workers, drop))
         if index > 0:
-            self._resume_loader(index)
+            self._resume_loader(index, trainer)
             return dataloader
         self._persistent = bool(getattr(dataloader, "persistent_workers", False))
         self.sampler = sampler
-        self.batch_size = loader.batch_size
+        self.batch_size = size
         self._resume_sampler(trainer, batch_sampler)
         if self._loader_entries() is not None:
             return dataloader
@@ -346,23 +355,22 @@ class TrainerElastic:
             why = "and not each one has the sampler Lightning puts in"
         rank_zero_warn(MANY_LOADERS.format(n=len(loaders), why=why), category=PossibleUserWarning)
 
-    def _resume_loader(self, index: int) -> None:
+    def _resume_loader(self, index: int, trainer: Any) -> None:
         """Resumed from a snapshot of several loaders' positions: resume loader ``index``'s
-        sampler at its own (at an unchanged world size); the generators go back as the
-        loaders' first index is asked for once all their iterators are made."""
+        sampler at its own; at another world size, once the last one is, Lightning's count
+        of the epoch's batches follows. The generators go back as the loaders' first index
+        is asked for once all their iterators are made."""
         entries = self._loader_entries()
         sampler = self.loaders.loaders[index].sampler
         if entries is None or sampler is None or index >= len(entries):
             return
-        if self._resized:
-            if index == 0:
-                rank_zero_warn(
-                    "bucketddp: several training loaders resumed at another world size: each "
-                    "one starts its pass over, so this epoch's rows may be used twice or not "
-                    "at all. At an unchanged world size each one resumes where it stopped."
-                )
-            return
-        sampler.resume(entries[index]["position"], entries[index]["used"], once=True)
+        assert self._position is not None
+        # The fit's loop tells the mode as it starts (``check_loaders``): after this.
+        self.loaders.mode = self._position.get("mode", self.loaders.mode)
+        self.loaders.resume(index, entries[index], self._resized)
+        if self._resized and index == len(entries) - 1 and trainer is not None:
+            self._resized = False
+            _count_done(trainer, self.loaders.epoch_rest())
         if self._own is not None and self._own["rng"] is not None:
             sampler.before_first = functools.partial(self._first_fetch, index)
         _quiet_lightnings_resume_warning()
@@ -504,7 +512,8 @@ class TrainerElastic:
             }
             if self.loaders.several and self.loaders.followed():
                 loaders = self.loaders.positions(progress)
-                checkpoint[ENTRY].update(loaders=loaders, **_first_of(loaders))
+                mode = self.loaders.mode
+                checkpoint[ENTRY].update(loaders=loaders, mode=mode, **_first_of(loaders))
             if self.replay is not None:
                 checkpoint[ENTRY]["world"] = trainer.world_size
                 own["rng_epoch"] = self.replay.started
