@@ -11,8 +11,8 @@ epoch, on 2 workers; each run against the same fit uninterrupted, bit for bit).
   epoch's first fetch).
 - Loaders with worker processes, mid-epoch and from an epoch's end (persistent workers
   too): bit-equal.
-- A resume from an epoch's end, with Lightning's sampler and a weighted one: bit-equal,
-  on Lightning 2.4 and 2.5 too (CI's compat run).
+- A resume from an epoch's end, with Lightning's sampler, a weighted one and two training
+  loaders: bit-equal, on Lightning 2.4 and 2.5 too (CI's compat run).
 - Two training loaders, one started over within the epoch, rank 1 SIGKILLed mid-epoch
   (plain and stateful loaders, an augmentation, worker processes; and in Lightning's
   ``min_size`` and ``max_size`` modes): bit-equal; with a
@@ -93,21 +93,27 @@ def test_a_loader_with_worker_processes_resumes_from_an_epochs_end_bit_equal(
 @pytest.mark.timeout(600)  # a hang guard: four torchrun jobs of Lightning
 def test_a_resume_from_an_epochs_end_is_bit_equal(tmp_path: Path, shm: Path) -> None:
     """Rank 1 SIGKILLed in the first step of an epoch (after step 16), with Lightning's
-    sampler and with a ``WeightedRandomSampler`` (replayed): bit-equal to the same fit
-    uninterrupted, on every Lightning in the window. Before 2.5, Lightning finishes the
-    snapshot's epoch again with an iterator made for it, whose seed must not count and
-    which must yield nothing; from 2.5 on, the next epoch runs on that iterator."""
+    sampler and with a ``WeightedRandomSampler`` (replayed); and with two training loaders
+    (after step 11, the longer one's last, the shorter one 3 batches into its second pass),
+    noise drawn as rows are read: bit-equal to the same fit uninterrupted, on every
+    Lightning in the window. Before 2.5, Lightning finishes the snapshot's epoch again with
+    an iterator made for it, whose seed must not count and which must yield nothing (with
+    two loaders, the one that restarts draws a seed too); from 2.5 on, the next epoch runs
+    on that iterator."""
     families = {"lightnings": {}, "weighted": {"ELASTIC_SAMPLER": "weighted"}}
     _killed_at_an_epochs_end_is_bit_equal(tmp_path, shm, families)
+    loaders = {"loaders": {"ELASTIC_LOADERS": "2", "ELASTIC_AUGMENT": "1"}}
+    _killed_at_an_epochs_end_is_bit_equal(tmp_path, shm, loaders, kill="11")
 
 
 def _killed_at_an_epochs_end_is_bit_equal(
-    tmp_path: Path, shm: Path, families: dict[str, dict[str, str]]
+    tmp_path: Path, shm: Path, families: dict[str, dict[str, str]], kill: str = "16"
 ) -> None:
-    """Under each family's env, the Trainer fit with rank 1 SIGKILLed after step 16 (an
-    epoch's last): bit-equal to the fit uninterrupted, with at most one step done twice."""
+    """Under each family's env, the Trainer fit with rank 1 SIGKILLed after step ``kill``
+    (an epoch's last): bit-equal to the fit uninterrupted, with at most one step done
+    twice."""
     for family, env in families.items():
-        runs = {f"{family}/straight": ("trainer", "-1"), f"{family}/killed": ("trainer", "16")}
+        runs = {f"{family}/straight": ("trainer", "-1"), f"{family}/killed": ("trainer", kill)}
         run_and_compare(tmp_path, shm, runs, env=env)
         out = tmp_path / family
         assert "attempt 1" in (out / "killed" / "steps.rank1").read_text(), family

@@ -268,13 +268,14 @@ def test_several_loaders_resumed_at_another_world_size_use_each_row_once(
     # Two loaders: a (8 batches a pass on 2 ranks) and b (11, the epoch's length). In
     # max_size_cycle, a node lost after step 9 (a one batch into its second pass): the
     # epoch ends where b's rows run out at world size 1, each of them used once, and a's
-    # rows once per pass. In min_size (epochs end with a), lost after step 5: a's rows once
-    # an epoch, and as many of b's as a's batches take, none twice.
-    for mode, kill in (("max_size_cycle", "9"), ("min_size", "5")):
-        out = tmp_path / mode
+    # rows once per pass; lost after step 11 (the epoch's end), the same. In min_size
+    # (epochs end with a), lost after step 5: a's rows once an epoch, and as many of b's as
+    # a's batches take, none twice.
+    for mode, kill in (("max_size_cycle", "9"), ("max_size_cycle", "11"), ("min_size", "5")):
+        out = tmp_path / f"{mode}-{kill}"
         out.mkdir()
         env = {"ELASTIC_LOADERS": "2", "ELASTIC_LOADERS_MODE": mode}
-        log = _lose_a_node(out, shm / mode, env, kill=kill)
+        log = _lose_a_node(out, shm / out.name, env, kill=kill)
         assert (out / "done.rank0").read_text().split()[:2] == ["world", "1"]
         assert "training loaders" not in log, log[-4000:]  # nothing warned
         rows = rows_by_epoch(out)

@@ -179,7 +179,7 @@ def _resume(
     ranks = _ranks(world, mode)
     for loaders in ranks:
         for index, entry in enumerate(entries):
-            loaders.resume(index, entry, resized)
+            loaders.resume(index, entry, resized, ended=False)
     return ranks
 
 

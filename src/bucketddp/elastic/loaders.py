@@ -138,14 +138,25 @@ class TrainingLoaders:
             )
         return entries
 
-    def resume(self, index: int, entry: dict[str, Any], resized: bool) -> None:
+    def resume(self, index: int, entry: dict[str, Any], resized: bool, ended: bool) -> None:
         """Resume loader ``index``'s sampler where its snapshot ``entry`` left its current
         pass; ``resized``: at another world size than the snapshot's, where the rest of that
-        pass is split over this one's ranks (then call ``epoch_rest`` once all are)."""
+        pass is split over this one's ranks (then call ``epoch_rest`` once all are).
+
+        ``ended``: the snapshot was taken at the epoch's end, so nothing is left of it for
+        any loader (Lightning before 2.5 runs that epoch again and must get no batch: in
+        ``max_size_cycle`` a loader with rows left would give one).
+        """
         x = self.loaders[index]
         assert x.sampler is not None
         position: EpochPosition = entry["position"]
         done, into = entry.get("start", (0, 0))
+        if ended:
+            world = x.sampler.num_replicas
+            end = EpochPosition(position.epoch, world, x.sampler.total_size)
+            x.sampler.resume(end, x.batches * x.batch_size, once=True)
+            x.start, x.rest = (position.epoch, 0, 0), 0
+            return
         if not resized:
             x.sampler.resume(position, entry["used"], once=True)
             x.start = (position.epoch, done, into)

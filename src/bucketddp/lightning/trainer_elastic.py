@@ -192,6 +192,9 @@ class TrainerElastic:
         # Resumed from an epoch's last batch: that epoch and the generators there, until the
         # training starts (``train_started``).
         self._epoch_end: tuple[int, dict[str, Any]] | None = None
+        # Those generators again, for the next epoch's start, where Lightning before 2.5
+        # finished that epoch again with several loaders (``epoch_started``).
+        self._next_epoch: tuple[int, dict[str, Any]] | None = None
         # The fit's training loaders (several: each one's position is kept).
         self.loaders = TrainingLoaders()
 
@@ -338,6 +341,20 @@ class TrainerElastic:
             epoch, state = epoch_end
             if trainer.fit_loop.epoch_progress.current.processed == epoch:
                 rng.restore(state)
+                if self.loaders.several:
+                    # Finishing it, the combined loader starts over a loader that ran out
+                    # (its iterator draws a seed), which the fit that went on did not do.
+                    self._next_epoch = epoch + 1, state
+
+    def epoch_started(self, trainer: Any) -> None:
+        """At ``on_train_epoch_start``, before the epoch's loader iterator is made: after
+        Lightning before 2.5 finished a snapshot's epoch again with several loaders, the
+        generators go back where the snapshot took them (``train_started``)."""
+        pending, self._next_epoch = self._next_epoch, None
+        if pending is not None and trainer.current_epoch == pending[0]:
+            rng.restore(pending[1])
+        elif pending is not None and trainer.current_epoch < pending[0]:
+            self._next_epoch = pending  # the finished epoch's own start: not yet
 
     def check_loaders(self, combined: Any) -> None:
         """At the fit's start: note the training loaders ``combined`` (the fit loop's) holds,
@@ -367,7 +384,8 @@ class TrainerElastic:
         assert self._position is not None
         # The fit's loop tells the mode as it starts (``check_loaders``): after this.
         self.loaders.mode = self._position.get("mode", self.loaders.mode)
-        self.loaders.resume(index, entries[index], self._resized)
+        ended = bool(self._position["epoch_end"])
+        self.loaders.resume(index, entries[index], self._resized, ended)
         if self._resized and index == len(entries) - 1 and trainer is not None:
             self._resized = False
             _count_done(trainer, self.loaders.epoch_rest())
@@ -560,6 +578,10 @@ class _Snapshots(Callback):
         """The stop signals are ours (again, should Lightning have registered its own);
         an epoch-end resume's generators (``TrainerElastic.train_started``)."""
         self.elastic.train_started(trainer)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """The next epoch's generators, after a finished epoch run again (``epoch_started``)."""
+        self.elastic.epoch_started(trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
         """Snapshot after an optimizer step, when one is due (or after the validation run
