@@ -46,6 +46,11 @@ def batches_in(processed: int, batches: int, mode: str, start: tuple[int, int] =
     return min(into + k, batches)
 
 
+def batches_left(samples: int, batch_size: int, drop_last: bool) -> int:
+    """The batches ``samples`` samples left make (a short last one dropped if ``drop_last``)."""
+    return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
 def _later_pass(k: int, batches: int, into: int, mode: str) -> bool:
     """Whether ``k`` batches after a point ``into`` batches into a pass, a loader is in a
     later pass (it starts over when it runs out: ``max_size_cycle``)."""
@@ -162,8 +167,7 @@ class TrainingLoaders:
             x.start = (position.epoch, done, into)
             return
         x.sampler.resume(position, 0, once=True)
-        left = x.sampler.left()
-        x.rest = left // x.batch_size if x.drop_last else -(-left // x.batch_size)
+        x.rest = batches_left(x.sampler.left(), x.batch_size, x.drop_last)
         x.ends = bool(entry.get("ends", True))
         x.sampler.resume(position, (x.batches - x.rest) * x.batch_size, once=True)
 

@@ -63,7 +63,7 @@ from torch.utils.data import DistributedSampler
 from ..elastic import collector, rng, room
 from ..elastic.disk import ENV as PREEMPT_ENV
 from ..elastic.job import NOT_UNDER_TORCHRUN, slurm_job_id, under_slurm
-from ..elastic.loaders import FOLLOWED, TrainingLoader, TrainingLoaders
+from ..elastic.loaders import FOLLOWED, TrainingLoader, TrainingLoaders, batches_left
 from ..elastic.loop import hook_parts, load_own_buffers, own_buffers, restore_hook
 from ..elastic.overlap import enabled, late_tensors
 from ..elastic.replay import ReplaySampler
@@ -108,9 +108,8 @@ class _FollowingSampler(ElasticSampler):
 def _batches_done(sampler: ElasticSampler, batch_sampler: Any) -> int:
     """The batches of a resumed epoch behind it at this world size: its whole length less
     the batches its rows left make."""
-    left, size = sampler.left(), int(batch_sampler.batch_size)
-    to_go = left // size if batch_sampler.drop_last else -(-left // size)
-    return len(batch_sampler) - to_go
+    size, drop = int(batch_sampler.batch_size), bool(batch_sampler.drop_last)
+    return len(batch_sampler) - batches_left(sampler.left(), size, drop)
 
 
 MANY_LOADERS = (
