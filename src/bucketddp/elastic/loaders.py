@@ -16,7 +16,7 @@ so its passes no longer begin where the epoch's batch count says: each loader ke
 its current pass began (``TrainingLoader.start``), and the epoch goes on for as many batches
 as the rows left of the loader that ends it make (``TrainingLoaders.epoch_rest``).
 
-Nothing here imports Lightning: ``bucketddp.lightning.trainer_elastic`` asks Lightning.
+Nothing here imports Lightning: ``bucketddp.lightning.trainer_loaders`` asks Lightning.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The Lightning integration: the Trainer and Fabric strategies, and what serves them.
 
 - ``trainer.py``: ``BucketDDP``, the Trainer strategy; ``trainer_launcher.py``, its watched
-  launchers; ``trainer_elastic.py``, ``elastic=True`` for the Trainer; ``sampler_epoch.py``,
+  launchers; ``trainer_elastic.py``, ``elastic=True`` for the Trainer, and
+  ``trainer_loaders.py``, its training loaders' samplers and resume; ``sampler_epoch.py``,
   the first epoch of a resumed fit in its own order;
 - ``fabric.py``: ``BucketFabricDDP``, the Fabric strategy; ``fabric_launcher.py``, its
   launchers (and the part both share); ``fabric_cli.py``, ``fabric run`` with our names;
