@@ -220,19 +220,22 @@ def wrap(system: str, model: nn.Module, cfg: Config) -> nn.Module:
     return wrapped
 
 
-def turn_order(systems: Sequence[str], round_: int) -> list[str]:
-    """The order in which ``systems`` take a step each, over and over, in round ``round_``.
+def turn_order(systems: Sequence[str], round_: int, step: int = 0) -> list[str]:
+    """The order in which ``systems`` take step ``step`` of round ``round_``, one each.
 
     Each bucketddp system steps right next to its torch DDP counterpart (``bucketddp`` with
-    ``torch_ddp``, ``bucketddp+fp16`` with ``torch_ddp+fp16``), the two taking turns at
-    going first, so that every step of one has a step of the other a few milliseconds
-    away, under the same load (``bench_stats.step_ratios``). The pairs and the other
-    systems are ordered by ``round_order``.
+    ``torch_ddp``, ``bucketddp+fp16`` with ``torch_ddp+fp16``), so that every step of one
+    has a step of the other a few milliseconds away, under the same load
+    (``bench_stats.step_ratios``). The pairs and the other systems are ordered by
+    ``round_order``, the same for every step of a round. Within a pair the two take turns
+    at going first from step to step: whatever the system before the pair leaves behind
+    (its caches, its gloo traffic) falls on each of the two equally often, in every round,
+    whichever system that is.
     """
     pairs = {ours: theirs for theirs, ours, _ in counterparts(systems)}
     partnered = set(pairs.values())
     units = [(pairs[s], s) if s in pairs else (s,) for s in systems if s not in partnered]
-    flip = round_ % 2
+    flip = (round_ + step) % 2
     return [s for unit in round_order(units, round_) for s in (unit[::-1] if flip else unit)]
 
 
@@ -339,16 +342,15 @@ def time_model(
     cuda = cfg.device == "cuda"
     for r in range(cfg.rounds):
         batches = make_batches(spec, cfg, rank, r, cfg.warmup + steps)
-        order = turn_order(systems, r)
-        rows: dict[str, list[list[float]]] = {s: [] for s in order}
-        for batch in batches:  # the systems take turns step by step
-            for s in order:
+        rows: dict[str, list[list[float]]] = {s: [] for s in systems}
+        for k, batch in enumerate(batches):  # the systems take turns step by step
+            for s in turn_order(systems, r, k):
                 dist.barrier()
                 if s == ALLREDUCE:
                     rows[s] += time_allreduce(wire, 1, cuda)
                 else:
                     rows[s] += train_steps(models[s], optimizers[s], [batch], cuda)
-        for s in order:
+        for s in systems:
             per_round[s].append(over_ranks(rows[s][cfg.warmup :], world_size, cfg.device))
     info: dict[str, Any] = {
         "steps_per_round": steps,

@@ -184,14 +184,22 @@ def test_overheads_time_the_wire_and_tune_auto_before_the_timed_rounds(tmp_path:
 def test_each_bucketddp_system_steps_next_to_its_torch_ddp_taking_turns_first() -> None:
     hooked = ["torch_ddp+fp16", "bucketddp+fp16"]
     systems = ["local", "torch_ddp", "bucketddp", "allreduce", *hooked, "bucketddp_finite"]
-    orders = [load_bench().turn_order(systems, r) for r in range(8)]
-    for order in orders:
+    turn_order = load_bench().turn_order
+    orders = [[turn_order(systems, r, k) for k in range(4)] for r in range(8)]
+    for order in (o for steps in orders for o in steps):
         assert sorted(order) == sorted(systems)
         for theirs, ours in (("torch_ddp", "bucketddp"), tuple(hooked)):
             assert abs(order.index(theirs) - order.index(ours)) == 1
-    # Who goes first alternates; the five units (two pairs, three singles) rotate.
-    assert [o.index("bucketddp") < o.index("torch_ddp") for o in orders] == [False, True] * 4
-    assert len({o[0] for o in orders}) == 5
+    # Who goes first alternates from step to step, starting the other way each round, so
+    # that both go first right after whatever runs before the pair, in every round.
+    ours_first = [[o.index("bucketddp") < o.index("torch_ddp") for o in steps] for steps in orders]
+    assert ours_first == [[False, True] * 2, [True, False] * 2] * 4
+    # The five units (two pairs, three singles) keep one order within a round, and rotate
+    # from round to round.
+    partners = ("bucketddp", "bucketddp+fp16")
+    units = [[[s for s in o if s not in partners] for o in steps] for steps in orders]
+    assert all(steps.count(steps[0]) == len(steps) for steps in units)
+    assert len({steps[0][0] for steps in units}) == 5
 
 
 @functools.cache
