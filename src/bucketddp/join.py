@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .buffers import BufferSync
 from .comm import all_reduce_kept, broadcast_coalesced, wait_kept
@@ -191,3 +191,81 @@ class BucketJoinHook(JoinHook):
         world_size = self.reducer.world_size
         self.reducer.set_training_ranks(world_size, world_size)
         self.on_end()
+
+
+class JoinableWrapper(Joinable):
+    """``BucketDataParallel``'s side of torch's ``Join``: ``join()`` and the ``Joinable``
+    interface. The wrapper's forward runs ``training_step`` while a join is on."""
+
+    module: nn.Module
+    reducer: Reducer
+    buffers_sync: BufferSync
+    process_group: dist.ProcessGroup | None
+    _divide_by_initial_world_size: bool
+    _sync_buffers_next: bool
+
+    if TYPE_CHECKING:
+
+        def _named_parameters(self) -> list[tuple[str, nn.Parameter]]: ...
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """A context manager for uneven inputs: ranks may run out of batches at different steps.
+
+        Torch DDP's ``join()``: ``with model.join(): for batch in loader: ...``. A rank that
+        runs out of batches matches the collectives of the ranks still training, contributing
+        zero gradients, until every rank is done; then every rank takes the parameters (and
+        broadcast buffers) of a rank that joined last. Every grad-enabled forward inside it
+        must be followed by one backward. See ``docs/uneven-inputs.md``.
+
+        Args:
+            divide_by_initial_world_size: average gradients over the world size (True, the
+                default: every sample weighs the same) or over the ranks still training.
+            enable: False makes the context manager do nothing (inputs known to be even).
+            throw_on_early_termination: raise a RuntimeError on every rank as soon as one
+                rank runs out of batches, instead of training on.
+
+        Raises:
+            ValueError: the module has SyncBatchNorm layers, whose forward communicates.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook torch's ``Join`` runs on a rank that has joined (``Joinable`` interface).
+
+        Takes ``divide_by_initial_world_size`` (default True) from ``Join``'s keyword
+        arguments.
+        """
+        check_joinable(self.module)
+        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
+        return BucketJoinHook(
+            self.reducer,
+            self.buffers_sync,
+            self.join_device,
+            lambda: [p for _, p in self._named_parameters()],
+            self._end_join,
+        )
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the join context's own collectives: the module's (``Joinable``)."""
+        return next(iter(self.reducer.all_params)).device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The process group of the join context's collectives (``Joinable``)."""
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _end_join(self) -> None:
+        """Leave join mode, once every rank has joined."""
+        self._join_config = self._join_config._replace(enable=False)
+        self._sync_buffers_next = True

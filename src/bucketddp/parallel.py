@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable
 
 from . import _structure
 from .buckets import BucketPlan
@@ -21,7 +21,7 @@ from .comm_hooks import CommHook
 from .faults import PROGRESS, release, watch
 from .faults.progress import BUFFER_SYNC, FORWARD, USER_CODE
 from .forward_io import hook_outputs, output_hook, refuse_dist_autograd, to_device
-from .join import BucketJoinHook, check_joinable, training_step
+from .join import JoinableWrapper, training_step
 from .module_checks import (
     check_initialized,
     check_wrappable,
@@ -52,7 +52,7 @@ NO_GROUP_TO_LOAD = (
 )
 
 
-class BucketDataParallel(nn.Module, Joinable):
+class BucketDataParallel(nn.Module, JoinableWrapper):
     """Data-parallel training with a bucketed gradient reducer that overlaps backward.
 
     Wrap a module exactly as you would with ``torch.nn.parallel.DistributedDataParallel``:
@@ -241,70 +241,13 @@ class BucketDataParallel(nn.Module, Joinable):
             refuse_dist_autograd()
             self.reducer.expect_backward()
 
-    # torch DDP 2.13's attribute, and its older name.
-    forward_sync_buffers = broadcast_buffers = ForwardSyncSwitch()
-
-    def join(
-        self,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> Join:
-        """A context manager for uneven inputs: ranks may run out of batches at different steps.
-
-        Torch DDP's ``join()``: ``with model.join(): for batch in loader: ...``. A rank that
-        runs out of batches matches the collectives of the ranks still training, contributing
-        zero gradients, until every rank is done; then every rank takes the parameters (and
-        broadcast buffers) of a rank that joined last. Every grad-enabled forward inside it
-        must be followed by one backward. See ``docs/uneven-inputs.md``.
-
-        Args:
-            divide_by_initial_world_size: average gradients over the world size (True, the
-                default: every sample weighs the same) or over the ranks still training.
-            enable: False makes the context manager do nothing (inputs known to be even).
-            throw_on_early_termination: raise a RuntimeError on every rank as soon as one
-                rank runs out of batches, instead of training on.
-
-        Raises:
-            ValueError: the module has SyncBatchNorm layers, whose forward communicates.
-        """
-        return Join(
-            [self],
-            enable,
-            throw_on_early_termination,
-            divide_by_initial_world_size=divide_by_initial_world_size,
-        )
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook torch's ``Join`` runs on a rank that has joined (``Joinable`` interface).
-
-        Takes ``divide_by_initial_world_size`` (default True) from ``Join``'s keyword
-        arguments.
-        """
-        check_joinable(self.module)
-        self._divide_by_initial_world_size = bool(kwargs.get("divide_by_initial_world_size", True))
-        return BucketJoinHook(
-            self.reducer,
-            self.buffers_sync,
-            self.join_device,
-            lambda: [p for _, p in self._named_parameters()],
-            self._end_join,
-        )
-
-    @property
-    def join_device(self) -> torch.device:
-        """The device of the join context's own collectives: the module's (``Joinable``)."""
-        return next(iter(self.reducer.all_params)).device
-
-    @property
-    def join_process_group(self) -> Any:
-        """The process group of the join context's collectives (``Joinable``)."""
-        return self.process_group if self.process_group is not None else dist.group.WORLD
-
-    def _end_join(self) -> None:
-        """Leave join mode, once every rank has joined."""
-        self._join_config = self._join_config._replace(enable=False)
-        self._sync_buffers_next = True
+    forward_sync_buffers = ForwardSyncSwitch()
+    """Whether buffers sync before forwards: torch DDP 2.13's attribute, settable (True or
+    False). False when wrapped with ``forward_sync_buffers=False`` or
+    ``default_buffer_policy="none"``; set to False, it stops every buffer sync before
+    forwards, ``buffer_sync`` rules included."""
+    broadcast_buffers = forward_sync_buffers
+    """``forward_sync_buffers`` under its older torch DDP name."""
 
     def _check_parameters(self) -> None:
         """Tell the reducer if the module's Parameter objects are no longer those it hooks."""
