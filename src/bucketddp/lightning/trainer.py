@@ -3,16 +3,15 @@
 It is Lightning's own ``DDPStrategy`` (launchers, cluster environments, process group set-up,
 barrier, reduce, broadcast and checkpoint IO are all inherited) with one change of wrapper:
 while fitting, the LightningModule is wrapped in ``BucketDataParallel`` instead of torch's
-``DistributedDataParallel``. What follows from the change lives here too:
+``DistributedDataParallel``. What follows from the change lives here too (what it adds to
+checkpoints and how it reads them in ``trainer_checkpoints.py``, its base class):
 
 - gradient accumulation and ``toggle_model(sync_grad=False)`` skip communication through
   ``BucketDataParallel.no_sync``;
 - buffers are synced by their policies before validation, before a checkpoint is written
   and at the end of fit;
-- the learned bucket order travels in the checkpoint under ``checkpoint["bucketddp"]``, a
-  stateful comm hook's state under ``"bucketddp_comm_hook"`` (``hook_checkpoint.py``);
-- a checkpoint only rank 0 can see is read there and sent to the others
-  (``bucketddp.checkpoint``);
+- the learned bucket order and a stateful comm hook's state travel in the checkpoint, and
+  a checkpoint only rank 0 can see is read there and sent to the others;
 - a fit resumed from a checkpoint starts its first epoch where the uninterrupted fit would:
   in that epoch's sample order, where Lightning's loop would replay epoch 0's
   (``bucketddp.lightning.sampler_epoch``);
@@ -33,26 +32,23 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins import LayerSync, TorchSyncBatchNorm
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_warn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
-from .._compat import weights_only_kwargs
 from ..buffers import Policy
-from ..checkpoint import Source, check_source, load_checkpoint, strip_prefix
+from ..checkpoint import Source, check_source
 from ..faults import PROGRESS
 from ..faults import current as current_watchdog
-from ..faults.progress import CHECKPOINT, COLLECTIVE
+from ..faults.progress import COLLECTIVE
 from ..options import DEFAULT_STALL_TIMEOUT
 from ..parallel import BucketDataParallel
 from .common import (
-    CHECKPOINT_KEY,
     StrategyOptions,
     destroy_at_exit,
     init_restartable_group,
@@ -69,6 +65,7 @@ from .internals import (
 from .layer_sync import TORCH_SYNCBN_REPLACED, BucketSyncBatchNorm
 from .plans import adopt_plan, plan_entry
 from .sampler_epoch import SavedLoaders, realign_sampler_epoch
+from .trainer_checkpoints import TrainerCheckpoints
 from .trainer_elastic import TrainerElastic
 from .trainer_launcher import WatchedProcessLauncher, WatchedScriptLauncher
 
@@ -91,7 +88,7 @@ UNUSED_HINT = (
 """How the error about parameters without a gradient names the strategy's option."""
 
 
-class BucketDDP(TrainerStrategyHooks, DDPStrategy):
+class BucketDDP(TrainerStrategyHooks, TrainerCheckpoints):
     """Lightning's DDP strategy with bucketddp's gradient reducer and buffer policies.
 
     ``Trainer(strategy=BucketDDP())`` trains like ``Trainer(strategy="ddp")``, with the same
@@ -223,9 +220,9 @@ class BucketDDP(TrainerStrategyHooks, DDPStrategy):
             model_averaging_period=model_averaging_period,
             **self._engine_options.keywords(),
         )
-        self._saved_plan: dict[str, Any] | None = None  # a loaded order, until wrapping
-        self._learned_plan: dict[str, Any] | None = None  # the last fit's, for later saves
-        self._saved_loaders = SavedLoaders()  # a loaded checkpoint's, until the first epoch
+        self._saved_plan = None
+        self._learned_plan = None
+        self._saved_loaders = SavedLoaders()
 
     # ------------------------------------------------------------------ SyncBatchNorm
     # The accelerator connector assigns the plugin after construction: Lightning's
@@ -321,10 +318,6 @@ class BucketDDP(TrainerStrategyHooks, DDPStrategy):
         if entry:
             adopt_plan(wrapped, entry)
 
-    @property
-    def _wrapped(self) -> BucketDataParallel | None:
-        return self.model if isinstance(self.model, BucketDataParallel) else None
-
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -391,11 +384,6 @@ class BucketDDP(TrainerStrategyHooks, DDPStrategy):
         self._hook_checkpoint.restore(self.root_device)
         return super().training_step(*args, **kwargs)
 
-    def plan_entry(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the wrapper's bucket plan (order, tuned sizes)."""
-        wrapped = self._wrapped
-        return plan_entry(wrapped) if wrapped is not None else dict(self._learned_plan or {})
-
     @override
     def on_train_start(self) -> None:
         """A resumed fit: give the training samplers the resumed epoch before its first
@@ -418,80 +406,6 @@ class BucketDDP(TrainerStrategyHooks, DDPStrategy):
         """Sync buffers once more, so the module the user holds after fit agrees."""
         self._sync_buffers()
         super().on_train_end()
-
-    # ---------------------------------------------------------------- checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state dict (no wrapper prefix), as rank 0 writes it.
-
-        Buffers whose policy combines the ranks' values (``"mean"``, ``"sum"``...) are
-        synced first: every rank takes part in checkpointing, so that sync is a collective
-        like any other. ``"broadcast"`` and ``"none"`` buffers are written from rank 0's
-        own values, with no collective.
-        """
-        if (wrapped := self._wrapped) is not None:
-            wrapped.sync_buffers_to_save()
-        return super().lightning_module_state_dict()
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        """Add the bucket plan (``checkpoint["bucketddp"]``) and a stateful comm hook's
-        state (``hook_checkpoint.py``: a collective), and save on rank 0."""
-        self._hook_checkpoint.save(checkpoint)
-        wrapped = self._wrapped
-        entry = plan_entry(wrapped) if wrapped is not None else self._learned_plan
-        if entry:
-            checkpoint[CHECKPOINT_KEY] = entry
-        with PROGRESS.during(CHECKPOINT, str(filepath)):
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        """Read ``ckpt_path`` on every rank, or on rank 0 alone when another rank does not
-        see it: the others then receive it (``checkpoint_source``, ``docs/strategy.md``).
-        A copy of the training loaders' states is kept for ``on_train_start``. Under
-        ``elastic=True`` after a restart, the agreed snapshot stands for the file."""
-        if self._elastic is not None and self.lightning_module is not None:
-            snapshot = self._elastic.take_restored(self.lightning_module.trainer)
-            if snapshot is not None:
-                self._saved_loaders = SavedLoaders.from_checkpoint(snapshot)
-                return snapshot
-        read = functools.partial(
-            DDPStrategy.load_checkpoint, self, **weights_only_kwargs(weights_only)
-        )
-        exists = lambda path: get_filesystem(path).exists(path)  # noqa: E731
-        checkpoint = load_checkpoint(
-            checkpoint_path, source=self._checkpoint_source, read=read, exists=exists
-        )
-        self._saved_loaders = SavedLoaders.from_checkpoint(checkpoint)
-        self._hook_checkpoint.loaded(checkpoint)
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load the weights, and the checkpoint's bucket order for the wrapper.
-
-        Lightning loads before ``setup``, so the order is kept until ``configure_ddp`` wraps
-        the model; a load into an already wrapped model adopts it at once. Weights saved
-        from a wrapper (every key ``module.*``) load too.
-        """
-        assert self.lightning_module is not None
-        keys = self.lightning_module.state_dict().keys()
-        weights = strip_prefix(checkpoint["state_dict"], model_keys=keys)
-        if weights is not checkpoint["state_dict"]:
-            checkpoint = {**checkpoint, "state_dict": weights}
-        entry = dict(checkpoint.get(CHECKPOINT_KEY) or {})
-        super().load_model_state_dict(checkpoint, strict=strict)
-        wrapped = self._wrapped
-        if wrapped is None:
-            self._saved_plan = entry
-            return
-        # The loaded "sum" buffers are the agreed totals from here on.
-        wrapped.buffers_sync.reset_baseline()
-        if entry:
-            adopt_plan(wrapped, entry)
 
     # -------------------------------------------------------------------- teardown
     @override
