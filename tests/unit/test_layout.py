@@ -71,7 +71,8 @@ def test_the_layer_contracts_hold() -> None:
 
 
 def test_no_runaway_module_or_class() -> None:
-    """A generous guard, not a target: the layers are what import-linter checks."""
+    """Modules under 800 lines, classes at about 400 (the standard) at most: a guard, not a
+    target; the layers are what import-linter checks."""
     too_long = []
     for name, path in _modules().items():
         text = path.read_text()
@@ -80,7 +81,7 @@ def test_no_runaway_module_or_class() -> None:
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
                 lines = node.end_lineno - node.lineno + 1
-                if lines > 600:
+                if lines > 420:
                     too_long.append(f"class {name}.{node.name}: {lines} lines")
     assert not too_long, f"split these by concern: {too_long}"
 
