@@ -80,8 +80,7 @@ class TrainerCheckpoints(DDPStrategy):
         """Add the bucket plan (``checkpoint["bucketddp"]``) and a stateful comm hook's
         state (``hook_checkpoint.py``: a collective), and save on rank 0."""
         self._hook_checkpoint.save(checkpoint)
-        wrapped = self._wrapped
-        entry = plan_entry(wrapped) if wrapped is not None else self._learned_plan
+        entry = self.plan_entry()
         if entry:
             checkpoint[CHECKPOINT_KEY] = entry
         with PROGRESS.during(CHECKPOINT, str(filepath)):
